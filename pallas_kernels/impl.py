@@ -1,0 +1,28 @@
+"""Implementation selection shared by every op: one place decides reference vs Pallas and interpret mode."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+IMPLS = ("reference", "pallas")
+
+
+def on_gpu() -> bool:
+    """True when the default JAX backend is a CUDA GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def resolve_impl(impl: str | None) -> str:
+    """Turn ``None`` into the backend default (``KIMI_JAX_IMPL`` env overrides); validate names."""
+    if impl is None:
+        impl = os.environ.get("KIMI_JAX_IMPL") or ("pallas" if on_gpu() else "reference")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels run in interpret mode unless a GPU is present (or ``PALLAS_INTERPRET=1`` forces it)."""
+    return os.environ.get("PALLAS_INTERPRET") == "1" or not on_gpu()
