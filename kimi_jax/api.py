@@ -1,0 +1,169 @@
+"""The notebook-facing model API: ``kimi_jax.load(...)`` -> :class:`KimiLM` with ``.logits`` and ``.generate``.
+
+``generate`` runs the same packed-step forward the serving engine uses: one prefill step over all prompts
+(ragged, no padding between them), then one decode step per new token, with the caches donated.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.model import KimiModel, compute_logits, forward
+from kimi_jax.presets import PRESETS, get_preset
+from kimi_jax.step import HybridCache, StepInputs, init_cache
+
+BLOCK_SIZE = 16
+
+
+class KimiLM:
+    """A loaded model plus jitted helpers. ``model`` is the nnx module; ``config`` its ModelConfig."""
+
+    def __init__(self, model: KimiModel, *, impl: str | None = None):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.impl = impl
+        graphdef, state = nnx.split(model)
+        self._graphdef = graphdef
+        self._state = state
+        self._step = jax.jit(functools.partial(_run_step, graphdef, impl=impl), donate_argnums=(1,))
+
+    @property
+    def dtype(self):
+        return self.model.dtype
+
+    def new_cache(self, num_seqs: int, max_len: int) -> HybridCache:
+        """Zeroed pools for ``num_seqs`` sequences of up to ``max_len`` tokens (block 0 / slot 0 reserved)."""
+        pages = -(-max_len // BLOCK_SIZE)
+        return init_cache(self.config, num_blocks=1 + num_seqs * pages, block_size=BLOCK_SIZE,
+                          num_slots=1 + num_seqs, dtype=self.dtype)
+
+    def step(self, cache: HybridCache, step: StepInputs) -> tuple[jax.Array, HybridCache]:
+        """One packed step: -> (fp32 logits of ``step.logits_indices`` [M, vocab], new cache). Donates ``cache``."""
+        return self._step(self._state, cache, step)
+
+    def logits(self, input_ids) -> jax.Array:
+        """Full forward without a persistent cache: int ``[B, T]`` -> fp32 logits ``[B, T, vocab]``."""
+        ids = np.asarray(input_ids, np.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {ids.shape}")
+        b, t = ids.shape
+        step = _packed_step([list(r) for r in ids], [0] * b, max_len=t, all_rows=True)
+        logits, _ = self.step(self.new_cache(b, t), step)
+        return logits.reshape(b, t, -1)
+
+    def generate(self, prompts, *, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
+        """Decode continuations of token-id prompts (a list of lists or an int array ``[B, T]``).
+
+        Greedy when ``temperature == 0``. Returns each prompt followed by its new tokens (generation of a
+        sequence stops after a token in ``stop_token_ids``, default the config's EOS)."""
+        prompts = [list(map(int, p)) for p in (prompts.tolist() if isinstance(prompts, np.ndarray) else prompts)]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        bad = [t for p in prompts for t in p if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        stops = set(stop_token_ids if stop_token_ids is not None else
+                    ([self.config.eos_token_id] if self.config.eos_token_id is not None else []))
+        n = len(prompts)
+        max_len = max(map(len, prompts)) + max_new_tokens
+        cache = self.new_cache(n, max_len)
+        key = jax.random.PRNGKey(seed)
+        outputs = [list(p) for p in prompts]
+        done = [False] * n
+        step = _packed_step(prompts, [0] * n, max_len=max_len)
+        for t in range(max_new_tokens):
+            logits, cache = self.step(cache, step)
+            key, sub = jax.random.split(key)
+            tokens = np.asarray(_sample(logits, sub, temperature, top_k, top_p))
+            for i in range(n):
+                if not done[i]:
+                    outputs[i].append(int(tokens[i]))
+                    done[i] = int(tokens[i]) in stops
+            if all(done) or t == max_new_tokens - 1:
+                break
+            step = _packed_step([[o[-1]] for o in outputs], [len(o) - 1 for o in outputs], max_len=max_len)
+        return outputs
+
+
+def _run_step(graphdef, state, cache, step, *, impl):
+    model = nnx.merge(graphdef, state)
+    hidden, cache = forward(model, cache, step, impl=impl)
+    return compute_logits(model, hidden), cache
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))
+def _sample(logits, key, temperature: float, top_k: int, top_p: float):
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        keep_sorted = cum - jax.nn.softmax(sorted_logits, axis=-1) < top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def _packed_step(seqs: list[list[int]], context: list[int], *, max_len: int, all_rows: bool = False) -> StepInputs:
+    """StepInputs for sequence i = ``seqs[i]`` new tokens after ``context[i]`` cached ones; sequence i owns
+    slot i+1 and the pages ``1 + i*P ..`` (P = pages for ``max_len``)."""
+    n = len(seqs)
+    pages = -(-max_len // BLOCK_SIZE)
+    lens = np.array([len(s) for s in seqs], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    tables = 1 + np.arange(n, dtype=np.int32)[:, None] * pages + np.arange(pages, dtype=np.int32)
+    rows = np.arange(cu[-1], dtype=np.int32) if all_rows else cu[1:] - 1
+    return StepInputs(
+        token_ids=jnp.asarray(np.concatenate([np.asarray(s, np.int32) for s in seqs])),
+        cu_seqlens=jnp.asarray(cu), context_lens=jnp.asarray(np.asarray(context, np.int32)),
+        block_tables=jnp.asarray(tables), state_slots=jnp.asarray(np.arange(1, n + 1, dtype=np.int32)),
+        logits_indices=jnp.asarray(rows.astype(np.int32)),
+        checkpoint_positions=jnp.full((n, 0), -1, jnp.int32), checkpoint_slots=jnp.zeros((n, 0), jnp.int32))
+
+
+def _dtype(dtype) -> jnp.dtype:
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be a floating dtype name like 'bfloat16' or 'float32', got {dtype!r}") from None
+
+
+def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | None = None) -> KimiLM:
+    """Load a checkpoint folder (hub layout) or build a preset (random weights unless the package ships them).
+
+    ``dtype`` is the parameter/activation dtype (fp32 islands stay fp32)."""
+    from kimi_jax.weights.loader import load_into
+
+    dt = _dtype(dtype)
+    if os.path.isdir(path_or_preset):
+        cfg = ModelConfig.from_json_file(os.path.join(path_or_preset, "config.json"))
+        model = KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed))
+        return KimiLM(load_into(model, path_or_preset), impl=impl)
+    if path_or_preset in PRESETS:
+        shipped = shipped_checkpoint(path_or_preset)
+        if shipped:
+            return load(shipped, dtype, seed=seed, impl=impl)
+        return KimiLM(KimiModel(get_preset(path_or_preset), dtype=dt, rngs=nnx.Rngs(seed)), impl=impl)
+    raise ValueError(f"{path_or_preset!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
+
+
+def shipped_checkpoint(preset: str) -> str | None:
+    """Folder of a checkpoint shipped inside the package for ``preset`` (the trained tiny model), if any."""
+    folder = os.path.join(os.path.dirname(__file__), "assets", preset)
+    return folder if os.path.exists(os.path.join(folder, "config.json")) else None

@@ -1,0 +1,54 @@
+"""Small numerics shared by every layer: linear maps, RMSNorm, GLU activations, parameter init."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+F32 = jnp.float32
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [..., in] @ w [in, out]`` with fp32 accumulation, result in x's dtype."""
+    return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=F32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis, statistics in fp32, result in x's dtype."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(F32)).astype(x.dtype)
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype)
+
+
+def situ_glu(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
+    """SiTU-GLU (K3): ``beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta)`` in fp32."""
+    g = gate.astype(F32)
+    u = up.astype(F32)
+    act = beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
+    return act.astype(gate.dtype)
+
+
+def glu(gate: jax.Array, up: jax.Array, cfg) -> jax.Array:
+    """The config's gated activation: SiLU-GLU or SiTU-GLU."""
+    if cfg.hidden_act == "situ":
+        return situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    return silu_glu(gate, up)
+
+
+def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
+    """A parameter drawn from N(0, std^2)."""
+    return nnx.Param((jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype))
+
+
+def fan_in_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+    """N(0, 1/fan_in) for a stacked linear weight ``[L, in, out]`` (fan_in = shape[-2])."""
+    return normal(rngs, shape, shape[-2] ** -0.5, dtype)
+
+
+def constant(shape: tuple[int, ...], value: float, dtype=F32) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, dtype))

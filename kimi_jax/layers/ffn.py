@@ -1,0 +1,137 @@
+"""Feed-forward sublayers: the dense GLU MLP (layer 0) and the (Latent) MoE with shared experts (spec section 4).
+
+Router: fp32 logits -> sigmoid scores; ``scores + e_score_correction_bias`` only *selects* (group-limited
+top-k); the weights are the unbiased scores of the chosen experts, renormalised and scaled. LatentMoE (K3)
+runs the routed experts in a latent width: ``down -> experts -> weighted sum -> RMSNorm -> up``; shared experts
+read the full-width input. Routed experts are bf16 ``[E, in, out]`` or MXFP4 packed ``[E, out, in/2]`` +
+E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.layers.common import F32, constant, fan_in_normal, glu, linear, rms_norm
+from kimi_jax.quant import mxfp4
+
+E2M1_RMS = 2.93  # RMS of a uniformly random E2M1 code's value, for random MXFP4 init
+
+
+class DenseMLPStack(nnx.Module):
+    """GLU MLPs of the dense layers: gate, up [L, D, F]; down [L, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        n, d, f = len(cfg.dense_layers), cfg.hidden_size, cfg.intermediate_size
+        self.gate = fan_in_normal(rngs, (n, d, f), dtype)
+        self.up = fan_in_normal(rngs, (n, d, f), dtype)
+        self.down = fan_in_normal(rngs, (n, f, d), dtype)
+
+
+def dense_mlp(p: DenseMLPStack, j: int, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return linear(glu(linear(x, p.gate[j]), linear(x, p.up[j]), cfg), p.down[j])
+
+
+def _random_mxfp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> tuple[nnx.Param, nnx.Param]:
+    """Random codes (all 16 values occur) with one E8M0 scale giving roughly N(0, std^2)-sized weights.
+
+    shape is the unpacked ``[..., out, in]``; returns packed ``[..., out, in/2]`` and scales ``[..., out, in/32]``."""
+    packed = jax.random.randint(rngs.params(), (*shape[:-1], shape[-1] // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    exponent = 127 + int(np.round(np.log2(std / E2M1_RMS)))
+    scales = jnp.full((*shape[:-1], shape[-1] // 32), exponent, jnp.uint8)
+    return nnx.Param(packed), nnx.Param(scales)
+
+
+class MoEStack(nnx.Module):
+    """Parameters of all MoE layers (leading axis = MoE layer index ``j``).
+
+    router [L, D, E] f32; router_bias [L, E] f32; optional latent down [L, D, Rl], latent_norm [L, Rl],
+    latent up [L, Rl, D]; routed experts w1 (gate), w3 (up): bf16 [L, E, Din, F] or MXFP4 packed
+    [L, E, F, Din/2] + scales [L, E, F, Din/32]; w2 (down): [L, E, F, Din] or packed [L, E, Din, F/2] + scales;
+    shared experts shared_gate, shared_up [L, D, Fs], shared_down [L, Fs, D] with Fs = num_shared * F.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        n, d, e, f = len(cfg.moe_layers), cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        din = cfg.expert_input_dim
+        self.router = nnx.Param(jax.random.normal(rngs.params(), (n, d, e), F32) * d ** -0.5)
+        self.router_bias = nnx.Param(jax.random.normal(rngs.params(), (n, e), F32) * 0.01)
+        if cfg.latent_dim is not None:
+            self.latent_down = fan_in_normal(rngs, (n, d, din), dtype)
+            self.latent_up = fan_in_normal(rngs, (n, din, d), dtype)
+            if cfg.latent_norm:
+                self.latent_norm = constant((n, din), 1.0)
+        if cfg.experts_mxfp4:
+            self.w1_packed, self.w1_scale = _random_mxfp4(rngs, (n, e, f, din), din ** -0.5)
+            self.w3_packed, self.w3_scale = _random_mxfp4(rngs, (n, e, f, din), din ** -0.5)
+            self.w2_packed, self.w2_scale = _random_mxfp4(rngs, (n, e, din, f), f ** -0.5)
+        else:
+            self.w1 = fan_in_normal(rngs, (n, e, din, f), dtype)
+            self.w3 = fan_in_normal(rngs, (n, e, din, f), dtype)
+            self.w2 = fan_in_normal(rngs, (n, e, f, din), dtype)
+        if cfg.num_shared_experts:
+            fs = cfg.num_shared_experts * f
+            self.shared_gate = fan_in_normal(rngs, (n, d, fs), dtype)
+            self.shared_up = fan_in_normal(rngs, (n, d, fs), dtype)
+            self.shared_down = fan_in_normal(rngs, (n, fs, d), dtype)
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """x [T, D] -> (weights [T, k] f32, expert ids [T, k] int32)."""
+    logits = jnp.einsum("td,de->te", x.astype(F32), router.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias.astype(F32)
+    if cfg.num_expert_group > 1:
+        t_rows, e = choice.shape
+        grouped = choice.reshape(t_rows, cfg.num_expert_group, e // cfg.num_expert_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        keep = jax.lax.top_k(group_score, cfg.topk_group)[1]
+        group_mask = jnp.zeros_like(group_score, bool).at[jnp.arange(t_rows)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, e // cfg.num_expert_group, axis=1), choice, -jnp.inf)
+    idx = jax.lax.top_k(choice, cfg.num_experts_per_token)[1]
+    weights = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.moe_renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+
+
+def _expert_weight(p: MoEStack, name: str, j: int, dtype) -> jax.Array:
+    """Routed-expert weight ``[E, in, out]`` in ``dtype`` (MXFP4 dequantised here, per use)."""
+    if hasattr(p, f"{name}_packed"):
+        w = mxfp4.dequantize(getattr(p, f"{name}_packed")[j], getattr(p, f"{name}_scale")[j], dtype=dtype)
+        return jnp.swapaxes(w, -1, -2)
+    return getattr(p, name)[j]
+
+
+def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
+                   cfg: ModelConfig) -> jax.Array:
+    """Sort (token, choice) pairs by expert, run the grouped GLU experts, combine: z [T, Din] -> [T, Din]."""
+    t_rows, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = z[order // k]
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    dtype = z.dtype
+    gate = jax.lax.ragged_dot(xs, _expert_weight(p, "w1", j, dtype), sizes, preferred_element_type=F32)
+    up = jax.lax.ragged_dot(xs, _expert_weight(p, "w3", j, dtype), sizes, preferred_element_type=F32)
+    act = glu(gate.astype(dtype), up.astype(dtype), cfg)
+    ys = jax.lax.ragged_dot(act, _expert_weight(p, "w2", j, dtype), sizes, preferred_element_type=F32)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(t_rows, k, -1)
+    return jnp.einsum("tkd,tk->td", y, weights).astype(dtype)
+
+
+def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D]."""
+    weights, idx = route(x, p.router[j], p.router_bias[j], cfg)
+    z = linear(x, p.latent_down[j]) if cfg.latent_dim is not None else x
+    y = routed_experts(p, j, z, weights, idx, cfg)
+    if cfg.latent_dim is not None:
+        if cfg.latent_norm:
+            y = rms_norm(y, p.latent_norm[j], cfg.rms_norm_eps)
+        y = linear(y, p.latent_up[j])
+    if cfg.num_shared_experts:
+        y = y + linear(glu(linear(x, p.shared_gate[j]), linear(x, p.shared_up[j]), cfg), p.shared_down[j])
+    return y

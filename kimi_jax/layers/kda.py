@@ -1,0 +1,145 @@
+"""Kimi Delta Attention layers (spec section 1), stacked over the model's KDA layers.
+
+Per token: q/k/v projections -> depthwise causal conv (kernel W, SiLU) with per-sequence conv state ->
+q/k L2 norm -> per-channel decay gate (softplus or lower-bound sigmoid) and beta -> delta-rule recurrence
+(``pallas_kernels.kda.chunk_kda``) -> gated RMSNorm (per head over V, times sigmoid of the output gate) -> o_proj.
+Sequences in a packed step never share conv or recurrent state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.layers.common import F32, constant, fan_in_normal, linear, normal
+from kimi_jax.step import StepInputs, TokenLayout
+from pallas_kernels import kda as kda_ops
+
+
+class KDAStack(nnx.Module):
+    """Parameters of all KDA layers, leading axis = KDA layer index ``j`` (``config.kda_layers[j]``).
+
+    q_proj, k_proj [L, D, H*K]; v_proj [L, D, HV*V]; conv [L, 2*H*K + HV*V, W] (fp32, q then k then v);
+    f_a [L, D, K]; f_b [L, K, HV*K]; A_log [L, HV]; dt_bias [L, HV*K]; b_proj [L, D, HV];
+    g_proj [L, D, HV*V] (full rank) or g_a [L, D, V] + g_b [L, V, HV*V]; o_norm [L, V]; o_proj [L, HV*V, D].
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        n, d = len(cfg.kda_layers), cfg.hidden_size
+        h, hv, k, v = cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
+        self.q_proj = fan_in_normal(rngs, (n, d, h * k), dtype)
+        self.k_proj = fan_in_normal(rngs, (n, d, h * k), dtype)
+        self.v_proj = fan_in_normal(rngs, (n, d, hv * v), dtype)
+        self.conv = normal(rngs, (n, cfg.kda_conv_channels, cfg.kda_conv_kernel), 0.5, F32)
+        self.f_a = fan_in_normal(rngs, (n, d, k), dtype)
+        self.f_b = fan_in_normal(rngs, (n, k, hv * k), dtype)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (n, hv), F32, 1.0, 16.0)))
+        self.dt_bias = normal(rngs, (n, hv * k), 0.5, F32)
+        self.b_proj = fan_in_normal(rngs, (n, d, hv), dtype)
+        if cfg.kda_full_rank_gate:
+            self.g_proj = fan_in_normal(rngs, (n, d, hv * v), dtype)
+        else:
+            self.g_a = fan_in_normal(rngs, (n, d, v), dtype)
+            self.g_b = fan_in_normal(rngs, (n, v, hv * v), dtype)
+        self.o_norm = constant((n, v), 1.0)
+        self.o_proj = fan_in_normal(rngs, (n, hv * v, d), dtype)
+
+
+def conv_windows(qkv: jax.Array, old_conv: jax.Array, step: StepInputs, layout: TokenLayout) -> jax.Array:
+    """The W inputs each row's causal conv sees: ``[T, W, C]``, earlier rows of the same sequence, else the
+    sequence's conv state (``old_conv [N, W-1, C]``, oldest first; zeros for fresh sequences)."""
+    t_rows, _ = qkv.shape
+    w = old_conv.shape[1] + 1
+    rows = jnp.arange(t_rows)
+    safe = jnp.minimum(layout.seq_ids, step.num_seqs - 1)
+    in_step = rows - step.cu_seqlens[safe]  # [T]
+    taps = []
+    for j in range(w):
+        rel = in_step - (w - 1) + j
+        from_step = qkv[jnp.clip(rows - (w - 1) + j, 0, t_rows - 1)]
+        from_state = old_conv[safe, jnp.clip(in_step + j, 0, w - 2)]
+        taps.append(jnp.where((rel >= 0)[:, None], from_step, from_state.astype(qkv.dtype)))
+    return jnp.stack(taps, axis=1)
+
+
+def conv_state_at(qkv: jax.Array, old_conv: jax.Array, starts: jax.Array, counts: jax.Array) -> jax.Array:
+    """Conv state after ``counts [N, P]`` new tokens of each sequence: ``[N, P, W-1, C]``.
+
+    ``starts [N]`` is each sequence's first row in ``qkv [T, C]``; ``old_conv [N, W-1, C]`` the state before."""
+    t_rows = qkv.shape[0]
+    wm1 = old_conv.shape[1]
+    out = []
+    for i in range(wm1):
+        rel = counts - wm1 + i  # relative position of state row i
+        from_step = qkv[jnp.clip(starts[:, None] + rel, 0, t_rows - 1)]
+        from_state = jnp.take_along_axis(old_conv[:, None], jnp.clip(counts + i, 0, wm1 - 1)[:, :, None, None],
+                                         axis=2)[:, :, 0]
+        out.append(jnp.where((rel >= 0)[..., None], from_step.astype(F32), from_state.astype(F32)))
+    return jnp.stack(out, axis=2)
+
+
+def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``RMSNorm_V(o) * weight * sigmoid(gate)`` per head; o, gate ``[T, HV, V]``; fp32 inside."""
+    of = o.astype(F32)
+    y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps) * weight.astype(F32)
+    return (y * jax.nn.sigmoid(gate.astype(F32))).astype(o.dtype)
+
+
+def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_pool: jax.Array,
+              step: StepInputs, layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """KDA layer ``j`` on a packed step.
+
+    x [T, D]; state_pool [S, HV, K, V]; conv_pool [S, W-1, C] -> (out [T, D], state_pool, conv_pool) with the
+    sequences' live slots (and requested checkpoint slots) updated."""
+    t_rows = x.shape[0]
+    h, hv, k, v = cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
+    qkv = jnp.concatenate([linear(x, p.q_proj[j]), linear(x, p.k_proj[j]), linear(x, p.v_proj[j])], axis=-1)
+
+    fresh = (step.context_lens == 0)
+    old_conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[step.state_slots])  # [N, W-1, C]
+    init_state = jnp.where(fresh[:, None, None, None], 0.0, state_pool[step.state_slots].astype(F32))
+
+    windows = conv_windows(qkv, old_conv, step, layout)  # [T, W, C]
+    conv = jnp.einsum("twc,cw->tc", windows.astype(F32), p.conv[j])
+    qkv_act = jax.nn.silu(conv).astype(x.dtype)
+    q = qkv_act[:, : h * k].reshape(t_rows, h, k)
+    kk = qkv_act[:, h * k: 2 * h * k].reshape(t_rows, h, k)
+    vv = qkv_act[:, 2 * h * k:].reshape(t_rows, hv, v)
+
+    g_raw = linear(linear(x, p.f_a[j]), p.f_b[j]).astype(F32).reshape(t_rows, hv, k)
+    beta = jax.nn.sigmoid(linear(x, p.b_proj[j]).astype(F32))  # [T, HV]
+
+    ck_rel = jnp.where(step.checkpoint_positions >= 0, step.checkpoint_positions - step.context_lens[:, None], -1)
+    ck_valid = (ck_rel >= 0) & (ck_rel <= layout.q_lens[:, None])
+    ck_rel = jnp.where(ck_valid, ck_rel, -1)
+    want_ck = step.checkpoint_positions.shape[1] > 0
+    o, final, ckpts = kda_ops.chunk_kda(
+        q[None], kk[None], vv[None], g_raw[None], beta[None], initial_state=init_state,
+        cu_seqlens=step.cu_seqlens, use_qk_l2norm=True, A_log=p.A_log[j], dt_bias=p.dt_bias[j],
+        lower_bound=cfg.kda_gate_lower_bound, checkpoint_positions=ck_rel if want_ck else None, impl=impl)
+    o = o[0]  # [T, HV, V]
+
+    if cfg.kda_full_rank_gate:
+        gate = linear(x, p.g_proj[j])
+    else:
+        gate = linear(linear(x, p.g_a[j]), p.g_b[j])
+    y = gated_rms_norm(o, gate.reshape(t_rows, hv, v), p.o_norm[j], cfg.rms_norm_eps)
+    out = linear(y.reshape(t_rows, hv * v), p.o_proj[j])
+
+    # Write back the live state of every sequence (padded sequences write their unchanged scratch slot).
+    starts = step.cu_seqlens[:-1]
+    new_conv = conv_state_at(qkv, old_conv, starts, layout.q_lens[:, None])[:, 0]
+    state_pool = state_pool.at[step.state_slots].set(final.astype(state_pool.dtype))
+    conv_pool = conv_pool.at[step.state_slots].set(new_conv.astype(conv_pool.dtype))
+    if want_ck:
+        oob = state_pool.shape[0]  # dropped by the scatter
+        dst = jnp.where(ck_valid, step.checkpoint_slots, oob).reshape(-1)
+        ck_conv = conv_state_at(qkv, old_conv, starts, jnp.maximum(ck_rel, 0))
+        state_pool = state_pool.at[dst].set(ckpts.reshape((-1,) + final.shape[1:]).astype(state_pool.dtype),
+                                            mode="drop")
+        conv_pool = conv_pool.at[dst].set(ck_conv.reshape((-1,) + new_conv.shape[1:]).astype(conv_pool.dtype),
+                                          mode="drop")
+    return out, state_pool, conv_pool

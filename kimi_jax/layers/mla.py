@@ -1,0 +1,75 @@
+"""Gated MLA layers (spec section 2): NoPE multi-head latent attention over a paged latent cache.
+
+The cache holds, per token, the normalised latent ``c_kv [R]`` and the shared, never-rotated ``k_pe [K_rope]``.
+Attention runs in the absorbed form: ``q_lat = W_UK^T q_nope`` so every head attends against the single latent
+"KV head", then ``W_UV`` maps the latent output back to ``V`` per head (the un-absorbed MHA form is the same
+function; kernels pick by measurement). An optional sigmoid output gate multiplies the heads before o_proj.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.layers.common import F32, constant, fan_in_normal, linear, rms_norm
+from kimi_jax.step import StepInputs, TokenLayout, slot_mapping
+from pallas_kernels import mla as mla_ops
+
+
+class MLAStack(nnx.Module):
+    """Parameters of all MLA layers, leading axis = MLA layer index ``j`` (``config.mla_layers[j]``).
+
+    q_a [L, D, Rq] + q_a_norm [L, Rq] + q_b [L, Rq, H*(Kn+Kr)]   (q-LoRA)   or   q_proj [L, D, H*(Kn+Kr)];
+    kv_a [L, D, R+Kr]; kv_a_norm [L, R]; kv_b [L, R, H*(Kn+V)] (per head: Kn rows of k_nope then V of v);
+    g_proj [L, D, H*V] (output gate, optional); o_proj [L, H*V, D].
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        n, d, h = len(cfg.mla_layers), cfg.hidden_size, cfg.mla_num_heads
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = fan_in_normal(rngs, (n, d, cfg.q_lora_rank), dtype)
+            self.q_a_norm = constant((n, cfg.q_lora_rank), 1.0)
+            self.q_b = fan_in_normal(rngs, (n, cfg.q_lora_rank, h * qk), dtype)
+        else:
+            self.q_proj = fan_in_normal(rngs, (n, d, h * qk), dtype)
+        self.kv_a = fan_in_normal(rngs, (n, d, cfg.mla_cache_width), dtype)
+        self.kv_a_norm = constant((n, cfg.kv_lora_rank), 1.0)
+        self.kv_b = fan_in_normal(rngs, (n, cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)), dtype)
+        if cfg.mla_output_gate:
+            self.g_proj = fan_in_normal(rngs, (n, d, h * cfg.v_head_dim), dtype)
+        self.o_proj = fan_in_normal(rngs, (n, h * cfg.v_head_dim, d), dtype)
+
+
+def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, step: StepInputs, layout: TokenLayout,
+              cfg: ModelConfig, *, impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """MLA layer ``j`` on a packed step.
+
+    x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written)
+    -> (out [T, D], pages)."""
+    t_rows = x.shape[0]
+    h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                        cfg.kv_lora_rank)
+    if cfg.q_lora_rank:
+        q = linear(rms_norm(linear(x, p.q_a[j]), p.q_a_norm[j], cfg.rms_norm_eps), p.q_b[j])
+    else:
+        q = linear(x, p.q_proj[j])
+    q = q.reshape(t_rows, h, kn + kr)
+    kv = linear(x, p.kv_a[j])
+    latent = jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
+    pages = mla_ops.write_latent_cache(pages, latent.astype(pages.dtype), slot_mapping(step, layout, pages.shape[2]),
+                                       layer=j)
+
+    w_kv = p.kv_b[j].reshape(r, h, kn + vd)
+    w_uk, w_uv = w_kv[..., :kn], w_kv[..., kn:]  # [R, H, Kn], [R, H, V]
+    q_lat = jnp.einsum("thn,rhn->thr", q[..., :kn], w_uk, preferred_element_type=F32)
+    q_abs = jnp.concatenate([q_lat, q[..., kn:].astype(F32)], axis=-1).astype(x.dtype)  # [T, H, R+Kr]
+    o_lat, _ = mla_ops.mla_paged_attention(
+        q_abs, pages, step.block_tables, step.context_lens + layout.q_lens, step.cu_seqlens,
+        scale=(kn + kr) ** -0.5, kv_lora_rank=r, layer=j, impl=impl)
+    attn = jnp.einsum("thr,rhv->thv", o_lat, w_uv, preferred_element_type=F32).reshape(t_rows, h * vd)
+    if cfg.mla_output_gate:
+        attn = attn * jax.nn.sigmoid(linear(x, p.g_proj[j]).astype(F32))
+    return linear(attn.astype(x.dtype), p.o_proj[j]), pages

@@ -1,0 +1,141 @@
+"""The Kimi hybrid model (Kimi-Linear and Kimi K3 text stacks) as one Flax nnx module and one forward.
+
+``forward(model, cache, step)`` runs a packed ragged step (prefill chunks and decode tokens of many
+sequences) over the paged hybrid cache and returns the final hidden states of ``step.logits_indices`` plus
+the updated cache. Residual stream: plain pre-norm residuals (Kimi-Linear) or Block Attention Residuals (K3,
+spec section 0.4 / 3), chosen by ``config.attn_res_block_size``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.layers.common import F32, constant, linear, normal, rms_norm
+from kimi_jax.layers.ffn import DenseMLPStack, MoEStack, dense_mlp, moe
+from kimi_jax.layers.kda import KDAStack, kda_layer
+from kimi_jax.layers.mla import MLAStack, mla_layer
+from kimi_jax.step import HybridCache, StepInputs, token_layout
+from pallas_kernels.attnres import attnres_mix
+
+
+class AttnResParams(nnx.Module):
+    """Pseudo-queries and key norms of the two AttnRes sites per layer ([L, D]) and the output site ([D]), fp32."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        n, d = cfg.num_layers, cfg.hidden_size
+        self.attn_query = normal(rngs, (n, d), d ** -0.5, F32)
+        self.attn_norm = constant((n, d), 1.0)
+        self.mlp_query = normal(rngs, (n, d), d ** -0.5, F32)
+        self.mlp_norm = constant((n, d), 1.0)
+        self.out_query = normal(rngs, (d,), d ** -0.5, F32)
+        self.out_norm = constant((d,), 1.0)
+
+
+class KimiModel(nnx.Module):
+    """Embedding, stacked layers of each kind, final norm and LM head.
+
+    embed [vocab, D]; lm_head [D, vocab] (absent when tied); norm [D]; input_norm, post_attn_norm [L, D];
+    attn_res (K3 only); kda / mla / dense_mlp / moe stacks (present when the schedule uses them).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.config = cfg
+        d = cfg.hidden_size
+        self.embed = normal(rngs, (cfg.vocab_size, d), 1.0, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = normal(rngs, (d, cfg.vocab_size), d ** -0.5, dtype)
+        self.norm = constant((d,), 1.0)
+        self.input_norm = constant((cfg.num_layers, d), 1.0)
+        self.post_attn_norm = constant((cfg.num_layers, d), 1.0)
+        if cfg.uses_attnres:
+            self.attn_res = AttnResParams(cfg, rngs)
+        if cfg.kda_layers:
+            self.kda = KDAStack(cfg, dtype=dtype, rngs=rngs)
+        if cfg.mla_layers:
+            self.mla = MLAStack(cfg, dtype=dtype, rngs=rngs)
+        if cfg.dense_layers:
+            self.dense_mlp = DenseMLPStack(cfg, dtype=dtype, rngs=rngs)
+        if cfg.moe_layers:
+            self.moe = MoEStack(cfg, dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.embed.value.dtype
+
+
+def _stack_index(layers: tuple[int, ...]) -> dict[int, int]:
+    return {layer: j for j, layer in enumerate(layers)}
+
+
+class _Mixer:
+    """AttnRes depth mixing over ``blocks + [partial]`` (fp32 sources)."""
+
+    def __init__(self, eps: float, impl: str | None):
+        self.eps = eps
+        self.impl = impl
+
+    def __call__(self, blocks: list[jax.Array], partial: jax.Array, query: jax.Array, norm: jax.Array) -> jax.Array:
+        sources = jnp.stack(blocks + [partial])  # [L, T, D]
+        mixed, _ = attnres_mix(query, sources, norm, eps=self.eps, impl=self.impl)
+        return mixed
+
+
+def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None
+            ) -> tuple[jax.Array, HybridCache]:
+    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [N, D], new cache)."""
+    cfg = model.config
+    layout = token_layout(step)
+    x = model.embed[step.token_ids]
+    kda_j, mla_j = _stack_index(cfg.kda_layers), _stack_index(cfg.mla_layers)
+    dense_j, moe_j = _stack_index(cfg.dense_layers), _stack_index(cfg.moe_layers)
+    state, conv, pages = cache.kda_state, cache.kda_conv, cache.mla
+    mix = _Mixer(cfg.rms_norm_eps, impl)
+    dtype = x.dtype
+
+    def attention(i: int, h: jax.Array) -> jax.Array:
+        nonlocal state, conv, pages
+        if cfg.layer_types[i] == "kda":
+            j = kda_j[i]
+            out, s_j, c_j = kda_layer(model.kda, j, h, state[j], conv[j], step, layout, cfg, impl=impl)
+            state, conv = state.at[j].set(s_j), conv.at[j].set(c_j)
+            return out
+        out, pages = mla_layer(model.mla, mla_j[i], h, pages, step, layout, cfg, impl=impl)
+        return out
+
+    def ffn(i: int, h: jax.Array) -> jax.Array:
+        if cfg.mlp_types[i] == "dense":
+            return dense_mlp(model.dense_mlp, dense_j[i], h, cfg)
+        return moe(model.moe, moe_j[i], h, cfg)
+
+    if cfg.uses_attnres:
+        ar = model.attn_res
+        partial = x.astype(F32)
+        blocks: list[jax.Array] = []
+        for i in range(cfg.num_layers):
+            h = partial if not blocks else mix(blocks, partial, ar.attn_query[i], ar.attn_norm[i])
+            if i % cfg.attn_res_block_size == 0:
+                blocks.append(partial)
+                partial = jnp.zeros_like(partial)
+            a = attention(i, rms_norm(h.astype(dtype), model.input_norm[i], cfg.rms_norm_eps))
+            partial = partial + a.astype(F32)
+            h = mix(blocks, partial, ar.mlp_query[i], ar.mlp_norm[i])
+            f = ffn(i, rms_norm(h.astype(dtype), model.post_attn_norm[i], cfg.rms_norm_eps))
+            partial = partial + f.astype(F32)
+        rows = step.logits_indices
+        final = mix([b[rows] for b in blocks], partial[rows], ar.out_query, ar.out_norm)
+    else:
+        for i in range(cfg.num_layers):
+            x = x + attention(i, rms_norm(x, model.input_norm[i], cfg.rms_norm_eps))
+            x = x + ffn(i, rms_norm(x, model.post_attn_norm[i], cfg.rms_norm_eps))
+        final = x[step.logits_indices]
+    hidden = rms_norm(final.astype(dtype), model.norm, cfg.rms_norm_eps)
+    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv)
+
+
+def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> fp32 logits [..., vocab]."""
+    w = model.embed.value.T if model.config.tie_word_embeddings else model.lm_head.value
+    return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=F32)

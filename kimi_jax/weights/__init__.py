@@ -1,0 +1,1 @@
+"""Checkpoint I/O: hub-layout safetensors (read and write) and Orbax snapshots of converted parameters."""
