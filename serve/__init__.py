@@ -1,0 +1,1 @@
+"""Serving stack: engine (scheduler, cache manager, runner, sampler), OpenAI-compatible server, CLI."""

@@ -1,0 +1,102 @@
+"""Parsed model output (reasoning / content / tool calls) and the streaming base shared by K3 and K2 parsers."""
+
+import dataclasses
+import json
+from typing import Any
+
+from serve.chat.json_schema import schema_error
+from serve.chat.marker_scanner import Event, MarkerScanner
+from serve.chat.messages import tool_schemas
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallDelta:
+    """One complete tool call, emitted once in the delta where it was accepted.
+
+    index: position among this message's tool calls (OpenAI streaming `tool_calls[].index`).
+    arguments: a JSON object as text (OpenAI `function.arguments`).
+    """
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass
+class ParsedDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedMessage:
+    reasoning_content: str
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+
+class StreamingOutputParser:
+    """feed(text) per detokenised chunk -> ParsedDelta; flush() at the end of the stream -> the last
+    ParsedDelta (held-back text, unfinished calls as content); finish() -> the whole ParsedMessage.
+
+    Subclasses turn scanner events into delta text via `_on_event` and `_on_end`.
+    """
+
+    def __init__(self, scanner: MarkerScanner, tools: Any):
+        """tools: the request's OpenAI tools; calls are checked against them (unknown name or schema
+        violation -> the call's raw text becomes content). None: calls are accepted without checks."""
+        self._scanner = scanner
+        self._schemas = None if tools is None else tool_schemas(tools)
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._tool_calls: list[ToolCallDelta] = []
+        self._is_flushed = False
+
+    def feed(self, delta_text: str) -> ParsedDelta:
+        if self._is_flushed:
+            raise ValueError("feed() after flush(): the stream has ended")
+        delta = ParsedDelta()
+        for event in self._scanner.feed(delta_text):
+            self._on_event(event, delta)
+        return self._record(delta)
+
+    def flush(self) -> ParsedDelta:
+        delta = ParsedDelta()
+        if not self._is_flushed:
+            for event in self._scanner.flush():
+                self._on_event(event, delta)
+            self._on_end(delta)
+            self._is_flushed = True
+        return self._record(delta)
+
+    def finish(self) -> ParsedMessage:
+        self.flush()
+        return ParsedMessage("".join(self._reasoning), "".join(self._content), list(self._tool_calls))
+
+    def _record(self, delta: ParsedDelta) -> ParsedDelta:
+        self._reasoning.append(delta.reasoning)
+        self._content.append(delta.content)
+        self._tool_calls.extend(delta.tool_calls)
+        return delta
+
+    def _accept_call(self, delta: ParsedDelta, name: str | None, arguments: dict | None, raw: str,
+                     call_id: str) -> None:
+        """Emit a tool call, or its raw text as content when it cannot be a valid call."""
+        num_calls = len(self._tool_calls) + len(delta.tool_calls)
+        valid = name is not None and arguments is not None and (
+            self._schemas is None or (name in self._schemas and schema_error(arguments, self._schemas[name]) is None))
+        if valid:
+            delta.tool_calls.append(ToolCallDelta(num_calls, call_id, name, json.dumps(arguments, ensure_ascii=False)))
+        else:
+            delta.content += raw
+
+    def _on_event(self, event: Event, delta: ParsedDelta) -> None:
+        raise NotImplementedError
+
+    def _on_end(self, delta: ParsedDelta) -> None:
+        raise NotImplementedError
+
+
+def raw_text(events: list[Event]) -> str:
+    return "".join(e if isinstance(e, str) else e.raw for e in events)
