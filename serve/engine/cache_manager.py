@@ -1,0 +1,346 @@
+"""CacheManager: the two cache pools (MLA pages, KDA state slots) and hybrid prefix caching, for the scheduler.
+
+Pages: ``block_size`` tokens of MLA latents in every MLA layer; block 0 is reserved and never handed out.
+Slots: one KDA recurrent + conv state in every KDA layer; slot 0 is reserved. A running request holds a
+block table and one live slot.
+
+Prefix caching (``enable_prefix_caching``, on by default) shares full pages through chained hashes and
+restores KDA state from checkpoints (see ``prefix_cache.py``). Checkpoints are exported by the prefill pass
+itself at positions chosen here:
+* prompt end: position ``num_prompt_tokens - 1`` (always). One token must always be recomputed to produce
+  the first logits, so this is the position a later identical prompt resumes from; a longer prompt that
+  extends it resumes there too;
+* every ``retention_interval`` tokens when > 0 (prefill and decode);
+* Marconi admission: when a request's prompt walks ``M`` full pages of the index (a prefix seen before) but
+  the best checkpoint is at least a page short of ``M * block_size`` and none exists there, the request
+  exports one at that junction, so the third request sharing the prefix hits all of it;
+* at the end of a finished (or preempted) request, its live slot itself becomes a checkpoint at
+  ``num_computed_tokens`` (no copy): multi-turn chats resume from the previous turn's last state.
+Restoring copies the checkpoint's slot into the request's live slot and the checkpoint's partially filled
+tail page into a fresh page (copy-on-write); both copies are queued for the runner (``take_copies``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from serve.engine.block_pool import RefCountedPool
+from serve.engine.prefix_cache import Checkpoint, PrefixCache, hash_page
+from serve.engine.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Pool sizes (including the reserved entry 0; take them from ``memory_plan.plan_pools``) and policy.
+
+    ``max_checkpoints_per_seq`` is P, the static width of the step's checkpoint arrays: a prefill chunk that
+    would contain more checkpoint positions is cut at the P-th. ``bytes_per_block`` / ``bytes_per_slot``
+    only weigh checkpoint eviction (saved tokens per byte).
+    """
+
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    enable_prefix_caching: bool = True
+    retention_interval: int = 0
+    max_checkpoints_per_seq: int = 4
+    bytes_per_block: int = 1
+    bytes_per_slot: int = 1
+    eviction_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"CacheConfig.block_size must be >= 1, got {self.block_size}")
+        if self.retention_interval < 0:
+            raise ValueError(f"CacheConfig.retention_interval must be >= 0, got {self.retention_interval}")
+        if self.max_checkpoints_per_seq < 1:
+            raise ValueError(f"CacheConfig.max_checkpoints_per_seq must be >= 1, got {self.max_checkpoints_per_seq}")
+        if self.eviction_alpha < 0:
+            raise ValueError(f"CacheConfig.eviction_alpha must be >= 0, got {self.eviction_alpha}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """Result of a lookup: resume after ``num_tokens`` tokens (0 = miss).
+
+    ``blocks``: the shared full pages (``num_tokens // block_size`` of them); ``checkpoint``: the state to
+    restore; ``num_matched_pages``: full pages of the request found in the index (>= len(blocks));
+    ``junction``: the Marconi checkpoint position to export for this request, or None.
+    """
+
+    num_tokens: int
+    blocks: list[int]
+    checkpoint: Checkpoint | None
+    num_matched_pages: int
+    junction: int | None
+
+
+MISS = PrefixHit(0, [], None, 0, None)
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Tokens looked up at admission and tokens served from the cache; checkpoints currently held."""
+
+    queries: int = 0
+    hits: int = 0
+    num_checkpoints: int = 0
+
+
+class CacheManager:
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.block_size = config.block_size
+        self.blocks = RefCountedPool(config.num_blocks, "block")
+        self.slots = RefCountedPool(config.num_slots, "slot")
+        self.prefix = PrefixCache(config.block_size, self.blocks, self.slots, bytes_per_block=config.bytes_per_block,
+                                  bytes_per_slot=config.bytes_per_slot, eviction_alpha=config.eviction_alpha)
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._registered_pages: dict[str, int] = {}
+        self._block_copies: list[tuple[int, int]] = []
+        self._slot_copies: list[tuple[int, int]] = []
+        self._step_block_pins: list[int] = []
+        self._step_slot_pins: list[int] = []
+
+    # ---- capacity ----
+    @property
+    def block_usage(self) -> float:
+        return self.blocks.num_referenced / self.blocks.num_usable
+
+    @property
+    def slot_usage(self) -> float:
+        return self.slots.num_referenced / self.slots.num_usable
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def is_idle(self) -> bool:
+        """No block or slot is referenced (every request has ended); the cache may still hold entries."""
+        return self.blocks.num_referenced == 0 and self.slots.num_referenced == 0
+
+    def clear_prefix_cache(self) -> None:
+        """Evict every unreferenced page and checkpoint."""
+        while self.prefix.evict_checkpoint() or self.prefix.evict_page():
+            pass
+
+    # ---- lookup and admission ----
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest resumable prefix of ``request.all_token_ids`` (at most all but one token) and its junction."""
+        if not self.enable_prefix_caching:
+            return MISS
+        bs = self.block_size
+        hashes = self._page_hashes(request)
+        limit = request.num_tokens - 1
+        path = self.prefix.match_pages(hashes)
+        ckpt = self.prefix.find_checkpoint(request.all_token_ids, path, limit)
+        hit = ckpt.position if ckpt is not None else 0
+        junction = len(path) * bs
+        has_junction = (0 < junction <= limit and junction - hit >= bs
+                        and () not in path[-1].checkpoints)
+        return PrefixHit(hit, [node.block for node in path[:hit // bs]], ckpt, len(path),
+                         junction if has_junction else None)
+
+    def plan_checkpoints(self, request: Request, hit: PrefixHit) -> None:
+        """Choose the one-off checkpoint positions (prompt end, Marconi junction) for a request being admitted."""
+        planned = []
+        if self.enable_prefix_caching:
+            prompt_end = request.num_prompt_tokens - 1
+            if prompt_end > hit.num_tokens:
+                planned.append(prompt_end)
+            if hit.junction is not None:
+                planned.append(hit.junction)
+        request.planned_checkpoints = sorted(set(planned))
+
+    def can_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Whether a live slot, the hit's entries and pages for ``num_new_tokens`` tokens fit (after evictions)."""
+        shared = hit.blocks + ([hit.checkpoint.tail_block] if self._needs_cow(hit) else [])
+        need_blocks = self.pages_for(hit.num_tokens + num_new_tokens) - len(hit.blocks)
+        need_blocks += sum(1 for b in shared if self.blocks.refs(b) == 0)
+        need_slots = 1 + (1 if hit.checkpoint is not None and self.slots.refs(hit.checkpoint.slot) == 0 else 0)
+        return self.blocks.num_available >= need_blocks and self.slots.num_available >= need_slots
+
+    def admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> None:
+        """Give a waiting request its live slot and pages, restoring the hit (queues the copies)."""
+        assert not request.block_table and request.state_slot == 0, request
+        for block in hit.blocks:
+            self.blocks.ref(block)
+        ckpt = hit.checkpoint
+        if ckpt is not None:
+            self._pin_slot(ckpt.slot)
+            self.prefix.touch(ckpt)
+            for node in self.prefix.match_pages(request.page_hashes[:len(hit.blocks)]):
+                self.prefix.touch(node)
+        request.block_table = list(hit.blocks)
+        if self._needs_cow(hit):
+            self._pin_block(ckpt.tail_block)
+            dst = self._allocate_block()
+            self._block_copies.append((ckpt.tail_block, dst))
+            request.block_table.append(dst)
+        request.state_slot = self._allocate_slot()
+        if ckpt is not None:
+            self._slot_copies.append((ckpt.slot, request.state_slot))
+        request.num_computed_tokens = hit.num_tokens
+        self._registered_pages[request.request_id] = len(hit.blocks)
+        if self.enable_prefix_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += hit.num_tokens
+        self.grow(request, num_new_tokens)
+
+    # ---- running requests ----
+    def can_grow(self, request: Request, num_new_tokens: int) -> bool:
+        need = self.pages_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        return self.blocks.num_available >= need
+
+    def grow(self, request: Request, num_new_tokens: int) -> None:
+        """Allocate the pages that positions up to ``num_computed_tokens + num_new_tokens`` need."""
+        need = self.pages_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
+        for _ in range(need):
+            request.block_table.append(self._allocate_block())
+
+    def checkpoint_positions(self, request: Request, start: int, num_new_tokens: int) -> tuple[list[int], int]:
+        """Checkpoint positions in (start, start + n] that are not cached yet, and the possibly shortened n:
+        a chunk holding more than ``max_checkpoints_per_seq`` positions stops at the last one kept."""
+        if not self.enable_prefix_caching:
+            return [], num_new_tokens
+        end = start + num_new_tokens
+        positions = {p for p in request.planned_checkpoints if start < p <= end}
+        interval = self.config.retention_interval
+        if interval:
+            positions.update(range((start // interval + 1) * interval, end + 1, interval))
+        hashes = self._page_hashes(request)
+        kept = [p for p in sorted(positions) if not self._has_checkpoint(request, hashes, p)]
+        cap = self.config.max_checkpoints_per_seq
+        if len(kept) > cap:
+            kept = kept[:cap]
+            num_new_tokens = kept[-1] - start
+        return kept, num_new_tokens
+
+    def allocate_checkpoint_slot(self) -> int | None:
+        """A slot for a checkpoint export, evicting older checkpoints if needed; None when every slot is live."""
+        if self.slots.num_available == 0:
+            return None
+        return self._allocate_slot()
+
+    def on_step_done(self, request: Request, checkpoints: list[tuple[int, int]]) -> None:
+        """After a step advanced ``request.num_computed_tokens``: index its new full pages and its exported
+        checkpoints ``(position, slot)`` (a checkpoint that already exists releases its slot)."""
+        if not self.enable_prefix_caching:
+            return
+        self._register_pages(request)
+        for position, slot in checkpoints:
+            self._register_checkpoint(request, position, slot)
+            self.slots.unref(slot)
+
+    def discard_checkpoint_slots(self, slots: list[int]) -> None:
+        """Release checkpoint slots of a request that ended while its step was in flight."""
+        for slot in slots:
+            self.slots.unref(slot)
+
+    def free_request(self, request: Request, *, retain_state: bool) -> None:
+        """Release everything the request holds. With ``retain_state`` (finished or preempted, never aborted
+        mid-step) its live slot becomes a checkpoint at ``num_computed_tokens`` if none exists there."""
+        if self.enable_prefix_caching and retain_state and request.state_slot and request.num_computed_tokens:
+            self._register_pages(request)
+            self._register_checkpoint(request, request.num_computed_tokens, request.state_slot)
+        for block in request.block_table:
+            self._unref_block(block)
+        if request.state_slot:
+            self.slots.unref(request.state_slot)
+        request.block_table = []
+        request.state_slot = 0
+        request.num_computed_tokens = 0
+        self._registered_pages.pop(request.request_id, None)
+
+    # ---- per-step queues ----
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(src_block, dst_block) and (src_slot, dst_slot) copies queued since the last call."""
+        copies = (self._block_copies, self._slot_copies)
+        self._block_copies, self._slot_copies = [], []
+        return copies
+
+    def take_freed(self) -> tuple[list[int], list[int]]:
+        """Blocks and slots that returned to the free lists since the last call."""
+        return self.blocks.drain_freed(), self.slots.drain_freed()
+
+    def release_step_pins(self) -> None:
+        """The step that copied from pinned sources has run: unpin them."""
+        for block in self._step_block_pins:
+            self._unref_block(block)
+        for slot in self._step_slot_pins:
+            self.slots.unref(slot)
+        self._step_block_pins, self._step_slot_pins = [], []
+
+    def checkpoint_count(self) -> int:
+        return len(self.prefix.checkpoints)
+
+    # ---- internals ----
+    def _needs_cow(self, hit: PrefixHit) -> bool:
+        return hit.checkpoint is not None and hit.checkpoint.tail_block is not None
+
+    def _page_hashes(self, request: Request) -> list[bytes]:
+        """Extend ``request.page_hashes`` to every full page of its known tokens."""
+        hashes, bs, tokens = request.page_hashes, self.block_size, request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            hashes.append(hash_page(hashes[-1] if i else b"", tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _has_checkpoint(self, request: Request, hashes: list[bytes], position: int) -> bool:
+        depth = position // self.block_size
+        node = self.prefix.node_at(hashes, depth)
+        tail = tuple(request.all_token_ids[depth * self.block_size:position])
+        return node is not None and tail in node.checkpoints
+
+    def _register_pages(self, request: Request) -> None:
+        """Index the request's computed full pages; a page already indexed with another block replaces the
+        request's copy, so a request always references indexed pages (keeps the index downward closed)."""
+        hashes = self._page_hashes(request)
+        done = self._registered_pages.get(request.request_id, 0)
+        full = request.num_computed_tokens // self.block_size
+        for i in range(done, full):
+            block = request.block_table[i]
+            node = self.prefix.nodes.get(hashes[i])
+            if node is None:
+                parent = self.prefix.node_at(hashes, i)
+                node = self.prefix.insert_page(parent, hashes[i], block)
+            elif node.block != block:
+                self.blocks.ref(node.block)
+                request.block_table[i] = node.block
+                self._unref_block(block)
+            self.prefix.touch(node)
+        self._registered_pages[request.request_id] = max(done, full)
+
+    def _register_checkpoint(self, request: Request, position: int, slot: int) -> None:
+        depth = position // self.block_size
+        node = self.prefix.node_at(request.page_hashes, depth)
+        tail = tuple(request.all_token_ids[depth * self.block_size:position])
+        if tail in node.checkpoints:
+            return
+        tail_block = request.block_table[depth] if tail else None
+        self.prefix.add_checkpoint(node, tail, tail_block, slot, position)
+
+    def _allocate_block(self) -> int:
+        while self.blocks.num_free == 0:
+            if not (self.prefix.evict_page() or self.prefix.evict_checkpoint()):
+                raise RuntimeError("no block to allocate: check can_admit/can_grow first")
+        return self.blocks.allocate()
+
+    def _allocate_slot(self) -> int:
+        while self.slots.num_free == 0:
+            if not self.prefix.evict_checkpoint():
+                raise RuntimeError("no slot to allocate: check can_admit first")
+        return self.slots.allocate()
+
+    def _unref_block(self, block: int) -> None:
+        if self.blocks.unref(block):
+            self.prefix.block_unreferenced(block)
+
+    def _pin_block(self, block: int) -> None:
+        self.blocks.ref(block)
+        self._step_block_pins.append(block)
+
+    def _pin_slot(self, slot: int) -> None:
+        self.slots.ref(slot)
+        self._step_slot_pins.append(slot)

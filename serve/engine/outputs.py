@@ -1,0 +1,63 @@
+"""What the engine hands back: per-request outputs (shared interface) and one step's sampled tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request; text and ids are cumulative (everything generated so far).
+
+    ``finish_reason`` is None while running, else "stop" | "length" | "abort"; ``stop_reason`` is the stop
+    string or stop token id that ended it (None for EOS, length or abort).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.monotonic()``) and the prompt tokens served from the prefix cache."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class SampledTokens:
+    """The sampler's result for one step, one row per scheduled sequence (device arrays, or numpy on the host).
+
+    token_ids     [N]     int32  sampled token of each row
+    logprobs      [N]     f32    log-probability of that token
+    top_token_ids [N, k]  int32  the k most likely tokens, most likely first (k = 0 when not requested)
+    top_logprobs  [N, k]  f32    their log-probabilities
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
