@@ -1,0 +1,123 @@
+"""MXFP4 (OCP MX: E2M1 elements, one E8M0 scale per 32 inputs) quantisation for the checkpoint layouts.
+
+Compressed-tensors layout (what the K3 checkpoint stores and the model keeps in memory):
+``packed`` uint8 ``[..., out, in/2]`` with the code of column ``2k`` in the low nibble and ``2k+1`` in the high
+nibble, ``scales`` uint8 ``[..., out, in/32]`` holding the biased exponent ``e`` of the scale ``2**(e - 127)``.
+The gpt-oss ``_blocks [..., out, in/32, 16]`` / ``_scales [..., out, in/32]`` layout is the same bytes in the
+same order, grouped per 32-wide block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+E8M0_BIAS = 127
+E2M1_MAX = 6.0
+E2M1_EMAX = 2  # exponent of the largest E2M1 power of two (4 = 2**2)
+
+# value of each 4-bit code: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def e8m0_to_float32(scales: jax.Array) -> jax.Array:
+    """Exact ``2**(scales - 127)`` as float32, built from bits (code 0 is the subnormal ``2**-127``)."""
+    e = scales.astype(jnp.uint32)
+    bits = jnp.where(e == 0, jnp.uint32(1 << 22), e << 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _round_to_e2m1_code(a: np.ndarray) -> np.ndarray:
+    """Code magnitude (0..7) nearest to ``a >= 0`` on the E2M1 grid, ties to the even code, saturating at 6."""
+    # midpoints between neighbouring grid values; at a tie the even code (even mantissa) wins, so the
+    # comparison is strict where the lower neighbour is even and non-strict where the upper one is
+    steps = (a > 0.25, a >= 0.75, a > 1.25, a >= 1.75, a > 2.5, a >= 3.5, a > 5.0)
+    return np.sum(steps, axis=0, dtype=np.uint8)
+
+
+def quantize(w) -> tuple[np.ndarray, np.ndarray]:
+    """``w [..., out, in]`` (float, ``in % 32 == 0``) -> ``(packed [..., out, in/2], scales [..., out, in/32])``.
+
+    Host-side numpy (checkpoint writers, tests), exact for subnormal inputs. OCP MX rules: each 32-wide block
+    along ``in`` shares the exponent ``floor(log2(amax)) - 2`` (so the block max lands in ``[4, 8)`` before
+    saturation), clamped to the E8M0 range ``-127..127``; elements are rounded to the nearest E2M1 value with ties
+    to even and saturate at +-6. Negative inputs keep the sign bit (``-0`` possible). An all-zero block gets
+    scale code 0.
+    """
+    w = np.asarray(w).astype(np.float32)
+    *lead, n_out, n_in = w.shape
+    if n_in % BLOCK:
+        raise ValueError(f"input dim must be a multiple of {BLOCK}, got {n_in}")
+    blocks = w.reshape(*lead, n_out, n_in // BLOCK, BLOCK)
+    amax = np.max(np.abs(blocks), axis=-1)
+    _, exp = np.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1) -> floor(log2(amax)) = exp - 1
+    shared = np.where(amax > 0, exp - 1 - E2M1_EMAX, -E8M0_BIAS)
+    shared = np.clip(shared, -E8M0_BIAS, E8M0_BIAS)
+    scaled = np.ldexp(blocks, -shared[..., None])  # exact: a power-of-two rescale with no overflow
+    codes = _round_to_e2m1_code(np.abs(scaled)) | np.where(scaled < 0, np.uint8(8), np.uint8(0))
+    codes = codes.reshape(*lead, n_out, n_in // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return packed.astype(np.uint8), (shared + E8M0_BIAS).astype(np.uint8)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """``packed [..., out, in/2]`` uint8 -> E2M1 codes ``[..., out, in]`` uint8 (low nibble first)."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _dequantize_bits(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """float32 bit patterns of ``E2M1[codes] * 2**(scales - 127)``; ``codes [..., 32]``, ``scales [...]``.
+
+    Built with integer ops so that subnormal results are exact even where the backend flushes denormals.
+    A code magnitude is ``M / 2`` with ``M`` in {0, 1, 2, 3, 4, 6, 8, 12} = ``(1 + f) * 2**p``, so the value is
+    ``(1 + f) * 2**(p + e - 128)``: biased float32 exponent ``p + e - 1``.
+    """
+    mag = (codes & 7).astype(jnp.int32)
+    p = mag >> 1  # floor(log2 M) for mag 1..7
+    f = jnp.where(mag >= 2, mag & 1, 0)  # mantissa bit; mag 1 (M = 1) has none
+    exp = p + scales.astype(jnp.int32)[..., None] - 1
+    normal = (exp << 23) | (f << 22)
+    subnormal = (2 + f) << jnp.clip(exp + 21, 0, 31)  # exp >= -1 here, so the shift is >= 20
+    bits = jnp.where(exp >= 255, 255 << 23, jnp.where(exp >= 1, normal, subnormal))
+    bits = jnp.where(mag == 0, 0, bits) | ((codes.astype(jnp.int32) & 8) << 28)
+    return bits.astype(jnp.uint32)
+
+
+def dequantize(packed: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``packed [..., out, in/2]``, ``scales [..., out, in/32]`` -> weights ``[..., out, in]`` in ``dtype``.
+
+    Exact in float32 and bfloat16 for every scale code 0..254 (results beyond the float32 range are inf, as the
+    math says); other dtypes are the float32 value converted once.
+    """
+    packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+    *lead, n_out, n_half = packed.shape
+    n_in = 2 * n_half
+    if scales.shape != (*lead, n_out, n_in // BLOCK):
+        raise ValueError(f"scales shape {scales.shape} does not match packed shape {packed.shape}")
+    codes = unpack_codes(packed).reshape(*lead, n_out, n_in // BLOCK, BLOCK)
+    bits = _dequantize_bits(codes, scales).reshape(*lead, n_out, n_in)
+    if jnp.dtype(dtype) == jnp.bfloat16:  # every result has its low 16 mantissa bits zero
+        return jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
+
+
+def blocks_to_packed(blocks: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """gpt-oss ``(_blocks [..., out, in/32, 16], _scales [..., out, in/32])`` -> ``(packed [..., out, in/2], scales)``.
+
+    Byte ``j`` of block ``b`` holds columns ``32b + 2j`` (low) and ``32b + 2j + 1`` (high), i.e. packed byte
+    ``16b + j``: the conversion is a reshape.
+    """
+    if blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"blocks {blocks.shape} / scales {scales.shape} are not a gpt-oss MXFP4 pair")
+    return blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1]), scales
+
+
+def packed_to_blocks(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Compressed-tensors ``(packed [..., out, in/2], scales [..., out, in/32])`` -> gpt-oss ``(_blocks, _scales)``."""
+    if packed.shape[-1] != scales.shape[-1] * (BLOCK // 2) or packed.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"packed {packed.shape} / scales {scales.shape} are not an MXFP4 pair")
+    return packed.reshape(*scales.shape, BLOCK // 2), scales

@@ -1,0 +1,233 @@
+"""H200 benchmark: MXFP4 grouped W4A16 GEMM vs bf16 grouped GEMMs at Kimi K3 expert shapes.
+
+Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``).
+Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
+so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
+Measures the copy bandwidth and the bf16 matmul rate in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
+from pallas_kernels.mxfp4.ops import tile_config
+from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
+
+TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
+REPS = 8
+DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
+START = time.time()
+
+DECODE_CFGS = {
+    "m16n64k256w4s4": dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4),
+    "m16n128k256w4s4": dict(block_m=16, block_n=128, block_k=256, num_warps=4, num_stages=4),
+    "m16n64k128w4s4L": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True),
+    "m16n128k256w8s3L": dict(block_m=16, block_n=128, block_k=256, num_warps=8, num_stages=3, weights_lhs=True),
+    "m16n32k512w4s3": dict(block_m=16, block_n=32, block_k=512, num_warps=4, num_stages=3),
+}
+PREFILL_CFGS = {
+    "m64n128k64w4s3": dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    "m128n128k64w8s3": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    "m128n256k64w8s3": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
+    "m64n128k128w8s4": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4),
+}
+
+
+def timed(fn, inputs, reps=REPS):
+    """Seconds per call: ``fn`` applied to ``reps`` different inputs inside one jit (one dispatch)."""
+    many = jax.jit(lambda xs, *rest: tuple(fn(xs[i], *rest) for i in range(reps)))
+    xs, *rest = inputs
+    jax.block_until_ready(many(xs, *rest))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(xs, *rest))
+        best = min(best, time.perf_counter() - t0)
+    return best / reps
+
+
+def copy_bandwidth():
+    a = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
+    f = jax.jit(lambda v: v + 1)
+    jax.block_until_ready(f(a))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(a)
+    jax.block_until_ready(out)
+    return 2 * a.nbytes / ((time.perf_counter() - t0) / 10)
+
+
+def matmul_rate(m=8192, n=6144, k=3584):
+    a = jnp.ones((REPS, m, k), jnp.bfloat16)
+    b = jnp.ones((k, n), jnp.bfloat16)
+    return 2 * m * n * k / timed(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+                                 (a, b))
+
+
+def route(tokens, experts, rng):
+    """Local group sizes for ``tokens`` routed top-16 of 896 experts, uniformly at random."""
+    picks = np.argsort(rng.random((tokens, TOTAL_EXPERTS)), axis=1)[:, :TOP_K]
+    return np.bincount(picks.ravel(), minlength=TOTAL_EXPERTS)[:experts].astype(np.int32)
+
+
+def random_mxfp4(rng, experts, n, k):
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    packed = jax.random.bits(key, (experts, n, k // 2), jnp.uint8)
+    scales = jax.random.randint(key, (experts, n, k // 32), 118, 124).astype(jnp.uint8)
+    return packed, scales
+
+
+def random_bf16(rng, shape):
+    return jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), shape, jnp.bfloat16)
+
+
+def check_correctness(rng):
+    """Every config vs the float32 reference on a small ragged problem (zero groups, all codes, wide scales)."""
+    results = {}
+    e, n, k, m = 6, 256, 512, 300
+    packed, scales = random_mxfp4(rng, e, n, k)
+    scales = scales.at[0].set(jnp.asarray(rng.integers(0, 3, (n, k // 32)), jnp.uint8))  # 2**-127 .. 2**-125
+    scales = scales.at[1].set(jnp.asarray(rng.integers(230, 236, (n, k // 32)), jnp.uint8))
+    gs = jnp.array([40, 37, 0, 150, 0, 60], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    row_scale = jnp.where(jnp.arange(m) < 40, 2.0 ** 100, jnp.where(jnp.arange(m) < 77, 2.0 ** -100, 1.0))
+    x = (x * row_scale[:, None]).astype(jnp.bfloat16)
+    want = np.asarray(mxfp4_grouped_matmul_reference(x, packed, scales, gs), np.float32)
+    w16 = jnp.asarray(rng.standard_normal((e, k, n)), jnp.bfloat16)
+    want16 = np.asarray(grouped_matmul_reference(x[77:], w16, gs.at[:2].set(0)), np.float32)
+
+    def rel(got, ref):  # per-row relative error (rows span 2**-100 .. 2**100)
+        got = np.asarray(got, np.float32)
+        return float(np.max(np.abs(got - ref).max(1) / np.maximum(np.abs(ref).max(1), 1e-30)))
+
+    for name, cfg in {**DECODE_CFGS, **PREFILL_CFGS}.items():
+        results[f"mxfp4/{name}"] = rel(grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **cfg),
+                                       want)
+        cfg16 = {k_: v for k_, v in cfg.items()}
+        results[f"bf16/{name}"] = rel(grouped_gemm_pallas(x[77:], (w16,), gs.at[:2].set(0), weight_format="bf16",
+                                                          **cfg16), want16)
+    for name, fn in mgpu_variants().items():
+        try:
+            results[f"bf16/{name}"] = rel(fn(x[77:], w16, gs.at[:2].set(0)), want16)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            results[f"bf16/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
+    return results
+
+
+def mgpu_variants():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    out = {}
+    for bm, bn, bk in ((64, 128, 64), (128, 128, 64)):
+        def fn(x, w, gs, bm=bm, bn=bn, bk=bk):  # the kernel needs M < 8 or a multiple of 8: pad rows
+            xp = jnp.pad(x, ((0, -x.shape[0] % 8), (0, 0)))
+            return ragged_dot_mgpu.ragged_dot(xp, w, group_sizes=gs, block_m=bm, block_n=bn, block_k=bk,
+                                              max_concurrent_steps=4, grid_block_n=1)[:x.shape[0]]
+        out[f"mgpu_m{bm}n{bn}k{bk}"] = fn
+    return out
+
+
+def bench_case(rng, tokens, experts, n, k, sweep, record):
+    gs_np = route(tokens, experts, rng)
+    m = max(int(gs_np.sum()), 1)
+    gs = jnp.asarray(gs_np)
+    touched = int((gs_np > 0).sum())
+    wbytes = touched * n * k * (0.5 + 1 / 32)
+    flops = 2 * m * n * k
+    xs = random_bf16(rng, (REPS, m, k))
+    packed, scales = random_mxfp4(rng, experts, n, k)
+    case = dict(tokens=tokens, experts=experts, rows=m, experts_touched=touched, n=n, k=k,
+                weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={}, bf16={})
+    cfgs = {**sweep, "default": tile_config(m, experts, n, k, "mxfp4")}
+    for name, cfg in cfgs.items():
+        if time.time() - START > DEADLINE_S:
+            break
+        try:
+            case["mxfp4"][name] = timed(lambda x, p, s, g, cfg=cfg: grouped_gemm_pallas(
+                x, (p, s), g, weight_format="mxfp4", **cfg), (xs, packed, scales, gs))
+        except Exception as err:  # noqa: BLE001
+            case["mxfp4"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
+    del packed, scales
+    w16 = random_bf16(rng, (experts, k, n))
+    bf16_variants = {f"pallas_{name}": (lambda x, w, g, cfg=cfg: grouped_gemm_pallas(
+        x, (w,), g, weight_format="bf16", **cfg)) for name, cfg in {**sweep, "default": tile_config(
+        m, experts, n, k, "bf16")}.items()}
+    bf16_variants.update(mgpu_variants())
+    for name, fn in bf16_variants.items():
+        if time.time() - START > DEADLINE_S:
+            break
+        try:
+            case["bf16"][name] = timed(fn, (xs, w16, gs))
+        except Exception as err:  # noqa: BLE001
+            case["bf16"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
+    record.append(case)
+    return case
+
+
+def best(d):
+    ok = {k: v for k, v in d.items() if isinstance(v, float)}
+    return min(ok.items(), key=lambda kv: kv[1]) if ok else ("-", float("nan"))
+
+
+def dense_case(rng):
+    """Dense W4A16 at the spec's probe shape (M=64, K=7168, N=2048) vs bf16 weights and XLA dequant+dot."""
+    from kimi_jax.quant.mxfp4 import dequantize
+    m, k, n = 64, 7168, 2048
+    xs = random_bf16(rng, (REPS, m, k))
+    packed, scales = random_mxfp4(rng, 1, n, k)
+    gs = jnp.array([m], jnp.int32)
+    out = {}
+    for name, cfg in DECODE_CFGS.items():
+        out[f"pallas_{name}"] = timed(lambda x, p, s, g, cfg=cfg: grouped_gemm_pallas(
+            x, (p, s), g, weight_format="mxfp4", **cfg), (xs, packed, scales, gs))
+    out["xla_dequant_dot"] = timed(lambda x, p, s: jnp.dot(x, dequantize(p[0], s[0], jnp.bfloat16).T,
+                                                           preferred_element_type=jnp.float32).astype(x.dtype),
+                                   (xs, packed, scales))
+    w = random_bf16(rng, (k, n))
+    out["bf16_xla_dot"] = timed(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+                                (xs, w))
+    out["weight_bytes_mxfp4"] = n * k * (0.5 + 1 / 32)
+    return out
+
+
+def main():
+    rng = np.random.default_rng(0)
+    result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+    result["copy_bandwidth_Bps"] = copy_bandwidth()
+    result["bf16_matmul_flops"] = matmul_rate()
+    print(f"copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {result['bf16_matmul_flops'] / 1e12:.0f}"
+          " TFLOP/s", flush=True)
+    result["correctness_rel_err"] = check_correctness(rng)
+    print(json.dumps(result["correctness_rel_err"], indent=0), flush=True)
+    result["dense_m64_k7168_n2048_s"] = dense_case(rng)
+    print(json.dumps(result["dense_m64_k7168_n2048_s"], indent=0), flush=True)
+    cases = []
+    plan = [(t, 56, DECODE_CFGS) for t in (1, 8, 64, 256)] + [(256, 112, DECODE_CFGS)]
+    plan += [(t, 56, PREFILL_CFGS) for t in (1024, 8192)] + [(8192, 112, PREFILL_CFGS)]
+    for tokens, experts, sweep in plan:  # gate+up fused: N = 2 * 3072, K = 3584
+        bench_case(rng, tokens, experts, 2 * WIDTH, LATENT, sweep, cases)
+        print(f"done T={tokens} E={experts} at {time.time() - START:.0f}s", flush=True)
+    for tokens in (64, 8192):  # down projection: N = 3584, K = 3072
+        bench_case(rng, tokens, 56, LATENT, WIDTH, {}, cases)
+    result["grouped"] = cases
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "mxfp4_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    bw, rate = result["copy_bandwidth_Bps"], result["bf16_matmul_flops"]
+    print(f"\n{'T':>5} {'E':>4} {'M':>5} {'N':>5} {'K':>5} | {'mxfp4 us':>9} {'%copyBW':>7} {'%bf16mm':>7} "
+          f"{'cfg':>18} | {'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
+    for c in cases:
+        (mn, mt), (bn_, bt) = best(c["mxfp4"]), best(c["bf16"])
+        print(f"{c['tokens']:>5} {c['experts']:>4} {c['rows']:>5} {c['n']:>5} {c['k']:>5} | {mt * 1e6:>9.1f} "
+              f"{100 * c['weight_bytes_mxfp4'] / mt / bw:>6.0f}% {100 * c['flops'] / mt / rate:>6.0f}% {mn:>18} | "
+              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / mt:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

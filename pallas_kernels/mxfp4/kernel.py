@@ -1,0 +1,126 @@
+"""Grouped W4A16 / bf16 GEMM as a Triton-style Pallas kernel over rows sorted by expert.
+
+Grid ``(T, N / block_n)``: program ``(t, j)`` computes rows ``[first_row_t, end_row_t)`` (at most ``block_m``)
+of expert ``e_t`` for output columns ``[j * block_n, (j + 1) * block_n)``; the tile schedule comes from
+:mod:`pallas_kernels.mxfp4.tiles` and is read inside the kernel (Triton has no scalar prefetch). The K loop
+streams ``block_k`` columns of the weights per step; MXFP4 tiles are decoded to bf16 in registers:
+
+* E2M1 magnitude ``c`` (3 bits) -> bf16 bits ``0x3F00 + (c << 6)`` is exact for ``c >= 2`` (exponent ``e + 126``,
+  mantissa bit ``m``); codes 0 and 1 (0 and 0.5) are selected as ``c * 0x3F00``; the sign goes to bit 15.
+  No subnormal appears, so the decode is exact whatever the backend's denormal mode.
+* the E8M0 scale ``2**(s - 127)`` is the bf16 with exponent field ``s`` and multiplies the decoded tile; the
+  product is exact (IEEE, results outside bf16's normal range follow denormal / overflow rules).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.impl import interpret_mode
+from pallas_kernels.mxfp4.tiles import make_tile_schedule
+
+MX_BLOCK = 32
+
+
+def _e2m1_to_bf16(codes: jax.Array) -> jax.Array:
+    """uint16 E2M1 codes -> exact bf16 values (see the module docstring)."""
+    mag = codes & 7
+    bits = jnp.where(mag >= 2, (mag << 6) + 0x3F00, mag * 0x3F00) | ((codes & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _e8m0_to_bf16(scales: jax.Array) -> jax.Array:
+    """uint8 E8M0 exponents -> bf16 ``2**(s - 127)`` (code 0 is the bf16 subnormal 2**-127)."""
+    s = scales.astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(jnp.where(s == 0, jnp.uint16(0x40), s << 7), jnp.bfloat16)
+
+
+def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
+    """``packed [bn, bk/2]`` uint8, ``scales [bn, bk/32]`` uint8 -> bf16 weights ``[bn, bk]``."""
+    bn, half = packed.shape
+    p = packed.astype(jnp.uint16)
+    codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(bn, 2 * half)  # low nibble = even column
+    s = jnp.broadcast_to(_e8m0_to_bf16(scales)[:, :, None], (bn, scales.shape[1], MX_BLOCK))
+    return _e2m1_to_bf16(codes) * s.reshape(bn, 2 * half)
+
+
+def _grouped_kernel(sched_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
+                    weights_lhs):
+    *w_refs, o_ref = refs
+    t, j = pl.program_id(0), pl.program_id(1)
+    expert, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
+    rows = pl.ds(first_row, block_m)
+    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+    row_mask = (first_row + jnp.arange(block_m)) < end_row
+    num_k = x_ref.shape[1] // block_k
+
+    def weight_tile(k):  # bf16 [block_n, block_k]
+        k_cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+        if weight_format == "bf16":
+            return w_refs[0][expert, k_cols, cols].T
+        if weight_format == "bf16_nk":
+            return w_refs[0][expert, cols, k_cols]
+        packed_ref, scales_ref = w_refs
+        packed = packed_ref[expert, cols, pl.ds(pl.multiple_of(k * (block_k // 2), block_k // 2), block_k // 2)]
+        scales = scales_ref[expert, cols,
+                            pl.ds(pl.multiple_of(k * (block_k // MX_BLOCK), block_k // MX_BLOCK),
+                                  block_k // MX_BLOCK)]
+        return _decode_mxfp4_tile(packed, scales)
+
+    def body(k, acc):
+        x = pltriton.load(x_ref.at[rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
+                          mask=row_mask[:, None], other=0.0)
+        if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
+            return acc + jnp.dot(weight_tile(k), x.T, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x, weight_tile(k).T, preferred_element_type=jnp.float32)
+
+    @pl.when((expert >= 0) & (expert < num_experts))
+    def _():
+        acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
+        acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros(acc_shape, jnp.float32))
+        acc = acc.T if weights_lhs else acc
+        pltriton.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_mask[:, None])
+
+    @pl.when(expert == num_experts)  # rows past sum(group_sizes)
+    def _():
+        pltriton.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "weights_lhs"))
+def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
+                        weight_format: str, block_m: int = 16, block_n: int = 64, block_k: int = 128,
+                        num_warps: int = 4, num_stages: int = 3, weights_lhs: bool = False) -> jax.Array:
+    """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E, K, N],)`` for ``"bf16"``,
+    ``(w [E, N, K],)`` for ``"bf16_nk"`` or ``(packed [E, N, K/2], scales [E, N, K/32])`` for ``"mxfp4"``
+    -> ``[M, N]`` in ``x.dtype`` (fp32 accumulation;
+    rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
+    dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation)."""
+    num_rows, dim_k = x.shape
+    if weight_format == "bf16":
+        num_experts, _, dim_n = weights[0].shape
+    elif weight_format in ("bf16_nk", "mxfp4"):
+        num_experts, dim_n, _ = weights[0].shape
+    else:
+        raise ValueError(f"unknown weight_format {weight_format!r}")
+    if dim_k % block_k or dim_n % block_n or (weight_format == "mxfp4" and block_k % MX_BLOCK):
+        raise ValueError(f"K={dim_k} / N={dim_n} must be multiples of block_k={block_k} / block_n={block_n}")
+    schedule = make_tile_schedule(group_sizes, num_rows, block_m)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)  # noqa: E731 - full-array ref
+    kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
+                               block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype),
+        grid=(schedule.shape[1], dim_n // block_n),
+        in_specs=[whole(schedule), whole(x), *(whole(w) for w in weights)],
+        out_specs=pl.BlockSpec((num_rows, dim_n), lambda t, j: (0, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret_mode(),
+        name=f"grouped_gemm_{weight_format}",
+    )(schedule, x, *weights)

@@ -1,0 +1,77 @@
+"""Public MXFP4 / bf16 GEMMs: one call site each, implementation chosen by ``impl``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.quant.mxfp4 import dequantize
+from pallas_kernels.impl import resolve_impl
+from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
+from pallas_kernels.mxfp4.reference import (grouped_matmul_reference, mxfp4_grouped_matmul_reference,
+                                            mxfp4_matmul_reference)
+
+
+def _fit(tile: int, dim: int) -> int:
+    """Largest power of two <= ``tile`` dividing ``dim``."""
+    while dim % tile:
+        tile //= 2
+    return tile
+
+
+def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_format: str) -> dict:
+    """Kernel tiles for a problem size (static shapes): the fastest configs of the H200 sweep in bench.py,
+    shrunk to powers of two that divide ``N`` and ``K``."""
+    rows_per_expert = num_rows / num_experts
+    if rows_per_expert <= 16 and weight_format == "mxfp4":  # decode: one row tile per expert
+        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
+    elif rows_per_expert <= 16:
+        cfg = dict(block_m=16, block_n=128, block_k=256, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    return {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
+
+
+def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, group_sizes: jax.Array, *,
+                         impl: str | None = None) -> jax.Array:
+    """``x [M, K]`` bf16 rows sorted by expert, ``packed [E, N, K/2]`` uint8, ``scales [E, N, K/32]`` uint8
+    (compressed-tensors layout), ``group_sizes [E]`` int32 -> ``x @ W_e.T`` ``[M, N]`` in ``x.dtype``.
+
+    fp32 accumulation; rows at or past ``sum(group_sizes)`` (which must be ``<= M``) are zero.
+    """
+    if resolve_impl(impl) == "reference":
+        return mxfp4_grouped_matmul_reference(x, packed, scales, group_sizes)
+    num_experts, dim_n, _ = packed.shape
+    cfg = tile_config(x.shape[0], num_experts, dim_n, x.shape[1], "mxfp4")
+    return grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4", **cfg)
+
+
+def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: str | None = None) -> jax.Array:
+    """``x [M, K]`` bf16, ``packed [N, K/2]`` uint8, ``scales [N, K/32]`` uint8 -> ``x @ W.T`` ``[M, N]`` (W4A16).
+
+    ``impl="pallas"`` is the exact bf16 decode fused by XLA into its GEMM (``dequantize(..., bfloat16)`` then a
+    bf16 dot with fp32 accumulation): on the H200 it measured 38.8 us at M=64, K=7168, N=2048 against 90 us
+    for the best config of our Triton kernel (bench.py ``dense_case``); the kernel stays reachable as
+    ``mxfp4_grouped_matmul`` with one group.
+    """
+    if resolve_impl(impl) == "reference":
+        return mxfp4_matmul_reference(x, packed, scales)
+    w = dequantize(packed, scales, jnp.bfloat16)
+    return jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+                   impl: str | None = None) -> jax.Array:
+    """bf16 grouped GEMM: ``x [M, K]`` rows sorted by expert, ``w [E, K, N]`` (``[E, N, K]`` with
+    ``transpose_rhs``, the torch ``[out, in]`` layout), ``group_sizes [E]`` -> ``[M, N]`` in ``x.dtype``.
+
+    Same contract as ``jax.lax.ragged_dot`` (rows past ``sum(group_sizes)`` are zero) without its dense-masked
+    GPU lowering.
+    """
+    if resolve_impl(impl) == "reference":
+        return grouped_matmul_reference(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
+    dim_n, dim_k = (w.shape[1], w.shape[2]) if transpose_rhs else (w.shape[2], w.shape[1])
+    cfg = tile_config(x.shape[0], w.shape[0], dim_n, dim_k, "bf16")
+    return grouped_gemm_pallas(x, (w,), group_sizes, weight_format="bf16_nk" if transpose_rhs else "bf16", **cfg)

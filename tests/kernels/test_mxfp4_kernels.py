@@ -1,0 +1,99 @@
+"""MXFP4 W4A16 and bf16 grouped GEMM kernels (Pallas interpret mode on CPU) vs the float32 references.
+
+Tolerance: per-row max error <= 1e-2 of the row's largest reference magnitude. The kernel decodes the weights
+exactly to bf16 and accumulates products of bf16 values in fp32, the reference does the same products in fp32;
+both round the output once to bf16 (2**-8 relative), which bounds the difference. A wrong nibble, scale or row
+assignment is an O(1) error.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax.quant.mxfp4 import E2M1_VALUES
+from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_reference, mxfp4_grouped_matmul,
+                                  mxfp4_grouped_matmul_reference, mxfp4_matmul, mxfp4_matmul_reference)
+from pallas_kernels.mxfp4.kernel import _e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_pallas
+from pallas_kernels.mxfp4.tiles import make_tile_schedule
+
+TOL = 1e-2
+SMALL_TILES = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
+
+
+def assert_rows_close(actual, expected, tol=TOL):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert actual.shape == expected.shape
+    err = np.abs(actual - expected).max(1) / np.maximum(np.abs(expected).max(1), 1e-30)
+    assert np.all(err <= tol), f"per-row relative error up to {err.max():.3e} > {tol:.1e}"
+
+
+def random_problem(seed, group_sizes, num_rows, n=16, k=64, scale_range=(120, 134)):
+    rng = np.random.default_rng(seed)
+    e = len(group_sizes)
+    packed = rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8)
+    codes = np.stack([packed & 0xF, packed >> 4], -1)
+    assert len(np.unique(codes)) == 16  # every E2M1 code is exercised
+    scales = rng.integers(*scale_range, (e, n, k // 32), dtype=np.uint8)
+    x = jnp.asarray(rng.standard_normal((num_rows, k)), jnp.bfloat16)
+    return x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(group_sizes, jnp.int32)
+
+
+def test_decode_helpers_exact():
+    got = np.asarray(_e2m1_to_bf16(jnp.arange(16, dtype=jnp.uint16)).astype(jnp.float32))
+    np.testing.assert_array_equal(got, E2M1_VALUES)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(E2M1_VALUES))
+    s = np.arange(1, 255)
+    got = np.asarray(_e8m0_to_bf16(jnp.asarray(s, jnp.uint8)).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, 2.0 ** (s - 127.0))
+
+
+def test_tile_schedule():
+    sched = np.asarray(make_tile_schedule(jnp.array([5, 0, 30], jnp.int32), num_rows=37, block_m=16))
+    # expert 0: rows 0-4; expert 1: none; expert 2: rows 5-34 in two tiles; rows 35-36: the zero group (id 3)
+    assert sched[:, :4].T.tolist() == [[0, 0, 5], [2, 5, 35], [2, 21, 35], [3, 35, 37]]
+    assert np.all(sched[0, 4:] == -1)
+
+
+# every grouped case has E=3, M=37, N=16, K=64, so the interpret-mode kernels compile once per tile config
+NUM_ROWS = 37
+
+
+@pytest.mark.parametrize("group_sizes,extreme", [
+    ([5, 0, 30], False),    # empty group, ragged tiles, 2 tail rows past sum(group_sizes)
+    ([20, 0, 17], True),    # scales 2**-125..2**-123 and 2**121..2**125, rows scaled so products stay finite
+])
+def test_mxfp4_grouped_matches_reference(group_sizes, extreme):
+    x, packed, scales, gs = random_problem(sum(group_sizes), group_sizes, NUM_ROWS)
+    if extreme:
+        scales = scales.at[0].set(2 + scales[0] % 3).at[2].set(248 + scales[2] % 5)
+        row_scale = jnp.where(jnp.arange(NUM_ROWS) < 20, 2.0 ** 100, 2.0 ** -110)
+        x = (x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)
+    got = grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **SMALL_TILES)
+    assert got.dtype == jnp.bfloat16
+    assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
+    assert not np.asarray(got[sum(group_sizes):], np.float32).any()
+
+
+def test_mxfp4_public_ops():
+    # one expert takes every row (M=37 is not a multiple of the 16-row tile); decode tiles: weights as MMA lhs
+    x, packed, scales, gs = random_problem(11, [0, NUM_ROWS, 0], NUM_ROWS)
+    want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+    assert_rows_close(mxfp4_grouped_matmul(x, packed, scales, gs, impl="pallas"), want)
+    np.testing.assert_array_equal(mxfp4_grouped_matmul(x, packed, scales, gs, impl="reference"), want)
+    dense = mxfp4_matmul(x, packed[1], scales[1], impl="pallas")
+    assert_rows_close(dense, mxfp4_matmul_reference(x, packed[1], scales[1]))
+    assert_rows_close(dense, want)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_bf16_grouped_matches_reference(transpose_rhs):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((29, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 64, 16)), jnp.bfloat16)  # [E, K, N]
+    gs = jnp.array([0, 17, 0, 10], jnp.int32)
+    got = grouped_matmul(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, gs, transpose_rhs=transpose_rhs,
+                         impl="pallas")
+    assert_rows_close(got, grouped_matmul_reference(x, w, gs))
+    assert not np.asarray(got[27:], np.float32).any()
