@@ -227,7 +227,7 @@ def render_k3(messages: Any, *, tools: Any = None, thinking: bool = True, reason
             w.message(message.parts, role="tool", tool=tool_name, index=str(index))
         else:
             w.message(message.parts, role=message.role, **named)
-    if tool_choice in TOOL_CHOICE_BODIES:
+    if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_BODIES:
         w.system_option("tool-choice", TOOL_CHOICE_BODIES[tool_choice])
     if format_body is not None:
         w.system_option("response-format", format_body)

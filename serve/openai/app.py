@@ -1,0 +1,108 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, API-key check, and OpenAI-style error bodies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from http import HTTPStatus
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.openai.chat import ChatHandler
+from serve.openai.completions import CompletionHandler
+from serve.openai.config import ServerConfig
+from serve.openai.errors import APIError, bad_request, from_validation_error
+from serve.openai.metrics import ServerMetrics
+from serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
+
+logger = logging.getLogger(__name__)
+
+
+async def _parse(request: Request, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
+    body = await request.body()
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise bad_request(f"Malformed JSON body: {err}", code="invalid_json") from err
+    if not isinstance(payload, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as err:
+        raise from_validation_error(err) from err
+
+
+def build_app(engine, config: ServerConfig) -> FastAPI:
+    """The HTTP app over `engine` (an `AsyncEngine`: generate / abort / stats / tokenizer / max_model_len)."""
+    app = FastAPI(title="kimi-jax OpenAI-compatible server")
+    metrics = ServerMetrics(engine, config.model_name)
+    completions = CompletionHandler(engine, config, metrics)
+    chat = ChatHandler(engine, config, metrics)
+    app.state.metrics = metrics
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        supplied = request.headers.get("authorization", "")
+        if not secrets.compare_digest(supplied.encode(), f"Bearer {config.api_key}".encode()):
+            raise APIError("Incorrect API key provided.", status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in config.served_model_names:
+            raise bad_request(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return bad_request(str(err)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == HTTPStatus.NOT_FOUND else "invalid_request_error"
+        return APIError(str(err.detail), status=err.status_code, type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(f"Internal server error: {type(err).__name__}: {err}",
+                        status=HTTPStatus.INTERNAL_SERVER_ERROR, type="internal_server_error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=HTTPStatus.OK)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        authorize(request)
+        cards = [ModelCard(id=name, created=now(), root=config.model_root, max_model_len=engine.max_model_len)
+                 for name in config.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        authorize(request)
+        body = await _parse(request, CompletionRequest)
+        check_model(body.model)
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        authorize(request)
+        body = await _parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        return await chat.create(body, request)
+
+    return app

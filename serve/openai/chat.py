@@ -1,0 +1,249 @@
+"""`POST /v1/chat/completions`: render the conversation (serve.chat), generate, parse reasoning / content /
+tool calls back out of the completion text, streaming or not."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from serve.chat import K2OutputParser, K3OutputParser, encode_chat, render_k2, render_k3
+from serve.chat.parsed import ParsedDelta, ToolCallDelta
+from serve.openai.config import ServerConfig
+from serve.openai.constraints import ConstraintFactory
+from serve.openai.errors import bad_request
+from serve.openai.grammars import K2Grammars, K3Grammars
+from serve.openai.logprobs import chat_logprobs
+from serve.openai.metrics import ServerMetrics
+from serve.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                   ChatCompletionRequest, ChatCompletionResponse, ChatDelta, DeltaFunctionCall,
+                                   DeltaToolCall, ResponseFunctionCall, ResponseToolCall, Usage, new_id, now)
+from serve.openai.sampling import (build_sampling_params, check_prompt_length, mask_vocab_size, resolve_max_tokens,
+                                   response_format_factory)
+from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, SSEResponse, cancel_on_disconnect,
+                                    generate_or_abort, sse_event)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a validated chat request turns into."""
+    prompt_ids: list[int]
+    thinking: bool
+    tools: list[dict]
+    tool_choice: str | dict
+
+
+def _tool_choice(request: ChatCompletionRequest, tools: list[dict], enable_auto: bool) -> str | dict:
+    """The effective tool_choice ("none" | "auto" | "required" | {"type": "function", ...}); 400 if unusable."""
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "auto" and tools and not enable_auto:
+        raise bad_request('"auto" tool choice requires the server to run with --enable-auto-tool-choice '
+                          "(pass tool_choice 'none', 'required' or a function name instead).", param="tool_choice")
+    if choice == "required" and not tools:
+        raise bad_request('tool_choice "required" needs at least one tool in `tools`.', param="tool_choice")
+    if not isinstance(choice, str):
+        names = [t["function"]["name"] for t in tools]
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in `tools`.",
+                              param="tool_choice")
+        return choice.model_dump()
+    return choice
+
+
+def _tool_call(call: ToolCallDelta) -> ResponseToolCall:
+    return ResponseToolCall(id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _delta_tool_call(call: ToolCallDelta) -> DeltaToolCall:
+    return DeltaToolCall(index=call.index, id=call.id, type="function",
+                         function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str | None:
+    return "tool_calls" if engine_reason == "stop" and has_tool_calls else engine_reason
+
+
+class ChatHandler:
+    def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
+        self._engine = engine
+        self._config = config
+        self._metrics = metrics
+        self._tokenizer = engine.tokenizer
+        self._mask_vocab_size = mask_vocab_size(engine)
+        self._grammars = (K3Grammars if config.chat_format == "k3" else K2Grammars)(engine.tokenizer)
+
+    # ------------------------------------------------------------ request -> prompt, params
+
+    def _plan(self, request: ChatCompletionRequest) -> _Plan:
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+        tool_choice = _tool_choice(request, tools, self._config.enable_auto_tool_choice)
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        kwargs = request.chat_template_kwargs or {}
+        thinking = kwargs.get("thinking", self._config.chat_format == "k3")
+        if not isinstance(thinking, bool):
+            raise bad_request("chat_template_kwargs.thinking must be a boolean.", param="chat_template_kwargs")
+        try:
+            if self._config.chat_format == "k3":
+                response_format = None if request.response_format is None else request.response_format.model_dump(
+                    by_alias=True, exclude_none=True)
+                segments = render_k3(messages, tools=tools or None, thinking=thinking,
+                                     reasoning_effort=request.reasoning_effort,
+                                     tool_choice=tool_choice if tools and isinstance(tool_choice, str) else None,
+                                     response_format=response_format)
+            else:
+                segments = render_k2(messages, tools=tools or None, thinking=thinking)
+        except ValueError as err:
+            message = str(err)
+            raise bad_request(message, param=message.split(":")[0].split("[")[0] or None) from err
+        prompt_ids = encode_chat(self._tokenizer, segments)
+        check_prompt_length(len(prompt_ids), self._engine.max_model_len, param="messages")
+        return _Plan(prompt_ids, thinking, tools, tool_choice)
+
+    def _constraint(self, request: ChatCompletionRequest, plan: _Plan) -> ConstraintFactory | None:
+        forces_tools = plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)
+        has_format = request.response_format is not None and request.response_format.type != "text"
+        if forces_tools and has_format:
+            raise bad_request("response_format cannot be combined with a required or named tool_choice.",
+                              param="response_format")
+        if has_format:
+            return response_format_factory(self._tokenizer, request.response_format,
+                                           lambda schema: self._grammars.response(schema, thinking=plan.thinking),
+                                           vocab_size=self._mask_vocab_size)
+        if not forces_tools:
+            return None
+        if isinstance(plan.tool_choice, dict):
+            tools = [t for t in plan.tools if t["function"]["name"] == plan.tool_choice["function"]["name"]]
+        else:
+            tools = plan.tools
+        try:
+            grammar = self._grammars.tool_calls(tools, thinking=plan.thinking,
+                                                multiple=plan.tool_choice == "required" and request.parallel_tool_calls)
+            return ConstraintFactory(self._tokenizer, grammar, vocab_size=self._mask_vocab_size)
+        except ValueError as err:
+            raise bad_request(f"Invalid tool parameters schema: {err}", param="tools") from err
+
+    def _new_parser(self, plan: _Plan):
+        if self._config.chat_format == "k3":
+            return K3OutputParser(thinking=plan.thinking, tools=plan.tools)
+        return K2OutputParser(tools=plan.tools)
+
+    async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        plan = self._plan(request)
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        max_tokens = resolve_max_tokens(getattr(request, param), len(plan.prompt_ids), self._engine.max_model_len,
+                                        param=param)
+        top_k = (request.top_logprobs or 0) if request.logprobs else None
+        params = build_sampling_params(request, max_tokens=max_tokens, logprobs=top_k,
+                                       vocab_size=self._tokenizer.vocab_size, skip_special_tokens=False,
+                                       constraint_factory=self._constraint(request, plan))
+        request_id = new_id("chatcmpl")
+        outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id)
+        if request.stream:
+            return SSEResponse(self._stream(request, plan, request_id, outputs))
+        body = await cancel_on_disconnect(raw_request, self._collect(request, plan, request_id, outputs))
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    # ------------------------------------------------------------ responses
+
+    async def _collect(self, request: ChatCompletionRequest, plan: _Plan, request_id: str,
+                       outputs: AsyncIterator) -> ChatCompletionResponse:
+        timer = self._metrics.timer()
+        final = None
+        async with aclosing(outputs):
+            async for output in outputs:
+                timer.on_output(sum(len(o.token_ids) for o in output.outputs))
+                final = output
+        timer.finish(final.outputs[0].finish_reason)
+        choices = []
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            parser = self._new_parser(plan)
+            parser.feed(out.text)
+            parsed = parser.finish()
+            message = AssistantMessage(content=None if parsed.tool_calls and not parsed.content else parsed.content,
+                                       reasoning_content=parsed.reasoning_content or None,
+                                       tool_calls=[_tool_call(c) for c in parsed.tool_calls])
+            logprobs = None if not request.logprobs else chat_logprobs(
+                self._tokenizer, out.token_ids, out.logprobs or [], request.top_logprobs or 0)
+            choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs,
+                                      finish_reason=_finish_reason(out.finish_reason, bool(parsed.tool_calls)),
+                                      stop_reason=out.stop_reason))
+        num_generated = sum(len(o.token_ids) for o in final.outputs)
+        num_prompt = len(plan.prompt_ids)
+        return ChatCompletionResponse(id=request_id, created=now(), model=self._config.model_name, choices=choices,
+                                      usage=Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                                  total_tokens=num_prompt + num_generated))
+
+    async def _stream(self, request: ChatCompletionRequest, plan: _Plan, request_id: str,
+                      outputs: AsyncIterator) -> AsyncIterator[str]:
+        created, model = now(), self._config.model_name
+        timer = self._metrics.timer()
+        parsers = [self._new_parser(plan) for _ in range(request.n)]
+        sent_text, sent_tokens = [0] * request.n, [0] * request.n
+        has_tool_calls, finished = [False] * request.n, [False] * request.n
+        num_prompt = len(plan.prompt_ids)
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        continuous = include_usage and request.stream_options.continuous_usage_stats
+
+        def usage() -> Usage:
+            generated = sum(sent_tokens)
+            return Usage(prompt_tokens=num_prompt, completion_tokens=generated, total_tokens=num_prompt + generated)
+
+        def chunk(index: int, delta: ChatDelta, **fields: Any) -> str:
+            return sse_event(ChatCompletionChunk(
+                id=request_id, created=created, model=model,
+                choices=[ChatChunkChoice(index=index, delta=delta, **fields)],
+                usage=usage() if continuous else None))
+
+        def choice_chunks(out) -> list[str]:
+            """The chunks one engine output adds to choice `out.index` (text delta, then finish)."""
+            i = out.index
+            parsed = parsers[i].feed(out.text[sent_text[i]:])
+            new_ids = out.token_ids[sent_tokens[i]:]
+            logprobs = None if not request.logprobs or not new_ids else chat_logprobs(
+                self._tokenizer, new_ids, (out.logprobs or [])[sent_tokens[i]:], request.top_logprobs or 0)
+            sent_text[i], sent_tokens[i] = len(out.text), len(out.token_ids)
+            if out.finish_reason is not None:
+                finished[i] = True
+                last = parsers[i].flush()
+                parsed = ParsedDelta(parsed.reasoning + last.reasoning, parsed.content + last.content,
+                                     parsed.tool_calls + last.tool_calls)
+            has_tool_calls[i] |= bool(parsed.tool_calls)
+            delta = ChatDelta(content=parsed.content or None, reasoning_content=parsed.reasoning or None,
+                              tool_calls=[_delta_tool_call(c) for c in parsed.tool_calls] or None)
+            chunks = []
+            if delta.content or delta.reasoning_content or delta.tool_calls or logprobs:
+                chunks.append(chunk(i, delta, logprobs=logprobs))
+            if out.finish_reason is not None:
+                chunks.append(chunk(i, ChatDelta(), finish_reason=_finish_reason(out.finish_reason, has_tool_calls[i]),
+                                    stop_reason=out.stop_reason))
+            return chunks
+
+        try:
+            for i in range(request.n):
+                yield chunk(i, ChatDelta(role="assistant", content=""))
+            async with aclosing(outputs):
+                async for output in outputs:
+                    timer.on_output(sum(len(o.token_ids) for o in output.outputs))
+                    if output.finished:
+                        timer.finish(output.outputs[0].finish_reason)
+                    for out in output.outputs:
+                        if not finished[out.index]:
+                            for event in choice_chunks(out):
+                                yield event
+            if include_usage:
+                yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                                    usage=usage()))
+        except Exception as err:  # noqa: BLE001 - the status line is gone; report in-band like vLLM
+            yield sse_event({"error": {"message": str(err), "type": "internal_server_error", "param": None,
+                                       "code": None}})
+        yield SSE_DONE

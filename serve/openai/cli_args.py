@@ -1,0 +1,89 @@
+"""`kimi-jax serve` flags (mirroring `vllm serve` where the meaning is the same) and the server entry points.
+
+Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --enable-prefix-caching,
+--prefix-cache-retention-interval, --kv-cache-dtype, --seed) are defined here so `kimi-jax serve --help` lists
+them all, and are read by whoever builds the engine; `run_server` reads the HTTP ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import uvicorn
+
+from serve.openai.app import build_app
+from serve.openai.config import ServerConfig
+from serve.openai.constraints import guidance_tokenizer
+
+PARSER_FORMATS = {"kimi_k3": "k3", "kimi_k2": "k2"}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", help="a preset (e.g. 'tiny') or a checkpoint folder")
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--served-model-name", nargs="+", default=None,
+                      help="names clients use in `model` (default: the MODEL argument); the first is reported")
+    http.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"),
+                      help="require `Authorization: Bearer KEY` on /v1/* (default: $KIMI_JAX_API_KEY, else none)")
+    http.add_argument("--uvicorn-log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    chat = parser.add_argument_group("chat format and parsers")
+    chat.add_argument("--chat-format", choices=["k3", "k2"], default=None,
+                      help="prompt rendering and output parsing (default: from the parsers, else the tokenizer)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='allow tool_choice="auto" (the default when a request declares tools)')
+    chat.add_argument("--tool-call-parser", choices=sorted(PARSER_FORMATS), default=None)
+    chat.add_argument("--reasoning-parser", choices=sorted(PARSER_FORMATS), default=None)
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
+    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    engine.add_argument("--prefix-cache-retention-interval", type=int, default=0,
+                        help="tokens between retained KDA-state checkpoints (0: block boundaries only)")
+    engine.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
+    engine.add_argument("--seed", type=int, default=0, help="engine random seed")
+    return parser
+
+
+def _chat_format(args: argparse.Namespace, tokenizer) -> str:
+    """--chat-format, else the one both parser flags name, else the tokenizer's special-token layout."""
+    named = {PARSER_FORMATS[p] for p in (args.tool_call_parser, args.reasoning_parser) if p is not None}
+    if len(named) > 1:
+        raise ValueError("--tool-call-parser and --reasoning-parser name different chat formats")
+    if args.chat_format is not None:
+        if named and named != {args.chat_format}:
+            raise ValueError(f"--chat-format {args.chat_format} conflicts with the parser flags")
+        return args.chat_format
+    if named:
+        return named.pop()
+    return "k3" if "<|open|>" in tokenizer.special_tokens else "k2"
+
+
+def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_root=args.model,
+                        chat_format=_chat_format(args, engine.tokenizer), api_key=args.api_key,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+
+
+def build_server(args: argparse.Namespace, engine) -> uvicorn.Server:
+    """The uvicorn server for `kimi-jax serve` (stop it with `server.should_exit = True`)."""
+    app = build_app(engine, server_config_from_args(args, engine))
+    guidance_tokenizer(engine.tokenizer)  # built once (about 1 s at 164K vocab), not on the first JSON request
+    return uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
+
+
+async def serve_http(args: argparse.Namespace, engine) -> None:
+    """Serve until interrupted, on the running event loop (for engines whose loop must be shared)."""
+    await build_server(args, engine).serve()
+
+
+def run_server(args: argparse.Namespace, engine) -> None:
+    """Blocking entry point of `kimi-jax serve` once the engine is built."""
+    asyncio.run(serve_http(args, engine))

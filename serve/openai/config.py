@@ -1,0 +1,35 @@
+"""Server-side settings (everything the HTTP layer needs that is not the engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Args:
+      served_model_names: names clients may put in `model`; the first is the one reported back.
+      model_root: the MODEL argument (preset or checkpoint folder), shown as `root` in /v1/models.
+      chat_format: "k3" (XTML) or "k2" (Kimi-Linear) rendering and output parsing.
+      api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
+      enable_auto_tool_choice: allow `tool_choice="auto"` (vLLM's --enable-auto-tool-choice); it is the default
+        choice when tools are declared, so without this flag such requests must say "none", "required" or a name.
+
+    Replies are always parsed with the chat format's parser (`reasoning_content`, `content`, `tool_calls`).
+    """
+
+    served_model_names: tuple[str, ...]
+    model_root: str
+    chat_format: str = "k3"
+    api_key: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self):
+        if not self.served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        if self.chat_format not in ("k3", "k2"):
+            raise ValueError(f"chat_format must be 'k3' or 'k2', got {self.chat_format!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]

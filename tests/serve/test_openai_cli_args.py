@@ -1,0 +1,68 @@
+"""`kimi-jax serve` flags: vLLM spellings parse, the server settings derived from them, and the server they build."""
+
+import argparse
+import threading
+import time
+
+import httpx
+import pytest
+
+from kimi_jax.tokenizer import load_tokenizer
+from serve.openai import add_serve_args, build_server, server_config_from_args
+from serve.openai.testing import FakeAsyncEngine, free_port
+
+
+def parse(*argv):
+    return add_serve_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {name: FakeAsyncEngine(load_tokenizer(name)) for name in ("tiny", "tiny-k2")}
+
+
+def test_vllm_recipe_flags_parse(engines):
+    args = parse("tiny", "--host", "127.0.0.1", "--port", "9001", "--served-model-name", "kimi", "k3",
+                 "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "2048",
+                 "--enable-prefix-caching", "--prefix-cache-retention-interval", "512", "--kv-cache-dtype", "fp8",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3",
+                 "--api-key", "k", "--seed", "3")
+    assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (4096, 8, 2048)
+    assert args.enable_prefix_caching and args.prefix_cache_retention_interval == 512 and args.seed == 3
+    config = server_config_from_args(args, engines["tiny"])
+    assert config.served_model_names == ("kimi", "k3") and config.model_name == "kimi"
+    assert (config.chat_format, config.api_key, config.enable_auto_tool_choice) == ("k3", "k", True)
+
+
+def test_chat_format_inference(engines):
+    assert server_config_from_args(parse("tiny"), engines["tiny"]).chat_format == "k3"
+    assert server_config_from_args(parse("tiny-k2"), engines["tiny-k2"]).chat_format == "k2"
+    assert server_config_from_args(parse("x", "--reasoning-parser", "kimi_k2"), engines["tiny"]).chat_format == "k2"
+    assert server_config_from_args(parse("x"), engines["tiny"]).served_model_names == ("x",)
+
+
+@pytest.mark.parametrize("argv", [["--enable-auto-tool-choice"],
+                                  ["--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k2"],
+                                  ["--chat-format", "k2", "--tool-call-parser", "kimi_k3"]])
+def test_inconsistent_flags_are_refused(engines, argv):
+    with pytest.raises(ValueError):
+        server_config_from_args(parse("tiny", *argv), engines["tiny"])
+
+
+def test_built_server_answers_until_told_to_exit(engines):
+    port = free_port()
+    server = build_server(parse("tiny", "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level",
+                                "warning"), engines["tiny"])
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not come up"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.get(url + "/health").status_code == 200
+    answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()
+    assert answer["model"] == "tiny" and answer["usage"]["completion_tokens"] == 2
+    server.should_exit = True
+    thread.join(timeout=10)
+    assert not thread.is_alive()
