@@ -1,0 +1,334 @@
+"""Pallas (Triton-style) chunked KDA prefill over packed varlen batches, with state checkpoints.
+
+Two launches (spec 1.7), both reading the packed ``[T, ...]`` inputs in place (no padding copy):
+
+1. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
+   norm, optional gate, in-chunk cumsum ``G``, then ``A_kk``/``A_qk`` by 16-token sub-chunks (off-diagonal
+   blocks factor through the sub-chunk start, so every exponent is <= 0; diagonal blocks either through the
+   sub-chunk midpoint when the lower-bound gate bounds the exponent span, or pairwise), the unit-lower
+   triangular solve by block forward substitution, and the chunk summaries ``w, u, qg = q*Gamma,
+   kg = k*exp(G_C - G), A_qk, exp(G_C)``.
+2. ``_scan_kernel``, grid ``(N, HV, V // BV)``, sequential over the chunks of one sequence: ``U = u - w S``,
+   ``o = qg S + A_qk U``, ``S <- exp(G_C) S + kg^T U``, and the states at the requested checkpoint positions
+   (chunk-start state plus a partial-chunk correction, recomputing that chunk's ``G`` from the raw inputs).
+
+Dot operands use the input dtype (bf16 inputs -> bf16 tensor-core dots with fp32 accumulation, as
+flash-linear-attention does); fp32 inputs use exact fp32 dots. Gate, cumsum, decays, state: always fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.impl import interpret_mode
+from pallas_kernels.kda.reference import gate_from_logits
+
+CHUNK = 64
+SUB = 16
+NUM_SUB = CHUNK // SUB
+L2_EPS = 1e-6
+# The midpoint factorisation of a 16-token diagonal block forms exp(+-8 |g|); |g| <= 10 keeps it below e^80.
+MIDPOINT_MAX_DECAY = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """Static options shared by both kernels."""
+
+    group: int  # value heads per q/k head (HV // H)
+    scale: float
+    normalize_qk: bool
+    has_gate: bool
+    lower_bound: float | None
+    dot_dtype: jnp.dtype
+
+    @property
+    def midpoint_diagonal(self) -> bool:
+        return self.has_gate and self.lower_bound is not None and -self.lower_bound <= MIDPOINT_MAX_DECAY
+
+
+def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
+    """``a @ b`` (optionally transposed operands) with fp32 accumulation; fp32 operands use exact fp32."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _row_mask(num_valid, rows):
+    return lax.broadcasted_iota(jnp.int32, (rows,), 0) < num_valid
+
+
+def _load_rows(ref, start, head, num_valid, rows):
+    """fp32 ``[rows, width]`` tile of ``ref [T, heads, width]`` from token ``start``; rows >= num_valid are 0."""
+    mask = _row_mask(num_valid, rows)
+    return pltriton.load(ref.at[pl.ds(start, rows), head, :], mask=mask[:, None], other=0).astype(jnp.float32)
+
+
+def _load_qk_rows(ref, start, head, num_valid, rows, opts):
+    x = _load_rows(ref, start, head, num_valid, rows)
+    if opts.normalize_qk:
+        x = x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+    return x
+
+
+def _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, head, num_valid, rows, opts):
+    """fp32 log-decay ``[rows, K]`` (gate applied when ``opts.has_gate``); rows >= num_valid are 0."""
+    g = _load_rows(g_ref, start, head, num_valid, rows)
+    if opts.has_gate:
+        z = g + dt_bias_ref[head, :].astype(jnp.float32)[None, :]
+        g = gate_from_logits(z, jnp.exp(a_log_ref[head].astype(jnp.float32)), opts.lower_bound)
+        g = jnp.where(_row_mask(num_valid, rows)[:, None], g, 0.0)
+    return g
+
+
+def _select_row(x, r):
+    """Row ``r`` (traced) of a ``[rows, width]`` tile as a ``[width]`` vector."""
+    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0)
+
+
+def _diagonal_block_pairwise(q, k, G):
+    """``(k k^T * D, q k^T * D)`` for one 16-token block, D_rc = exp(G_r - G_c) masked (c <= r) before exp."""
+    rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    col_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+
+    def body(r, carry):
+        a_kk, a_qk = carry
+        decay = jnp.exp(jnp.where(col_index <= r, _select_row(G, r)[None, :] - G, -jnp.inf))  # [SUB(c), K]
+        kd = k * decay
+        kk = jnp.sum(kd * _select_row(k, r)[None, :], axis=1)  # [SUB(c)]
+        qk = jnp.sum(kd * _select_row(q, r)[None, :], axis=1)
+        return jnp.where(rows == r, kk[None, :], a_kk), jnp.where(rows == r, qk[None, :], a_qk)
+
+    zeros = jnp.zeros((SUB, SUB), jnp.float32)
+    return lax.fori_loop(0, SUB, body, (zeros, zeros))
+
+
+def _diagonal_block_midpoint(q, k, G, dtype):
+    """Same as the pairwise form through the block midpoint: exponents bounded by 8 |g| (lower-bound gate)."""
+    mid = _select_row(G, SUB // 2)[None, :]
+    k_out = k * jnp.exp(mid - G)
+    return _dot(k * jnp.exp(G - mid), k_out, dtype, trans_b=True), _dot(q * jnp.exp(G - mid), k_out, dtype,
+                                                                        trans_b=True)
+
+
+def _unit_lower_inverse(a):
+    """``(I + a)^-1`` for strictly lower ``a [SUB, SUB]`` by forward substitution (fp32)."""
+    rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    col_vec = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+
+    def body(r, t):
+        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # row r of a, indexed by c
+        t_r = jnp.where(col_vec == r, 1.0, 0.0) - jnp.sum(a_r[:, None] * t, axis=0)
+        return jnp.where(rows == r, t_r[None, :], t)
+
+    return lax.fori_loop(0, SUB, body, jnp.zeros((SUB, SUB), jnp.float32))
+
+
+def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+                  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, *, opts: _Options):
+    chunk, hv = pl.program_id(0), pl.program_id(1)
+    head = hv // opts.group
+    bos, num_valid = chunk_bos_ref[chunk], chunk_len_ref[chunk]
+    dtype = opts.dot_dtype
+    tril_strict = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1) < lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    tril_incl = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1) <= lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+
+    @pl.when(num_valid > 0)
+    def _():
+        offset = jnp.zeros((k_ref.shape[-1],), jnp.float32)  # G at the end of the previous sub-chunk
+        keys, logs, solved = [], [], []
+        for i in range(NUM_SUB):
+            start, valid = bos + i * SUB, num_valid - i * SUB
+            q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
+            k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
+            v = _load_rows(v_ref, start, hv, valid, SUB)
+            beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
+                                 other=0).astype(jnp.float32)[:, None]
+            G = offset[None, :] + jnp.cumsum(
+                _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
+            if opts.midpoint_diagonal:
+                a_kk, a_qk = _diagonal_block_midpoint(q, k, G, dtype)
+            else:
+                a_kk, a_qk = _diagonal_block_pairwise(q, k, G)
+            a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0)
+            rhs_u, rhs_w = beta * v, beta * jnp.exp(G) * k
+            q_in, k_in = q * jnp.exp(G - offset[None, :]), k * jnp.exp(G - offset[None, :])
+            for j in range(NUM_SUB):
+                if j < i:  # rows in sub-chunk i, columns in sub-chunk j < i, through G at the end of sub-chunk i-1
+                    k_out = keys[j] * jnp.exp(offset[None, :] - logs[j])
+                    a_ij = beta * _dot(k_in, k_out, dtype, trans_b=True)
+                    aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _dot(q_in, k_out, dtype, trans_b=True)
+                    rhs_u = rhs_u - _dot(a_ij, solved[j][0], dtype)
+                    rhs_w = rhs_w - _dot(a_ij, solved[j][1], dtype)
+                elif j > i:
+                    aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+            t_ii = _unit_lower_inverse(a_kk)
+            u, w = _dot(t_ii, rhs_u, dtype), _dot(t_ii, rhs_w, dtype)
+            u_ref[pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
+            w_ref[pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
+            qg_ref[pl.ds(i * SUB, SUB), :] = (q * jnp.exp(G)).astype(qg_ref.dtype)
+            keys.append(k)
+            logs.append(G)
+            solved.append((u, w))
+            offset = _select_row(G, SUB - 1)
+        for i in range(NUM_SUB):
+            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * jnp.exp(offset[None, :] - logs[i])).astype(kg_ref.dtype)
+        decay_ref[...] = jnp.exp(offset)
+
+
+def _scan_kernel(seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref, seq_len_ref, positions_ref, w_ref, u_ref, qg_ref,
+                 kg_ref, aqk_ref, decay_ref, s0_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, o_init_ref, o_ref,
+                 final_ref, *checkpoint_refs, opts: _Options, block_v: int, num_positions: int,
+                 has_initial_state: bool):
+    del o_init_ref  # aliased to o_ref (zero-initialised so tokens past the last sequence read 0)
+    seq, hv, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head = hv // opts.group
+    vs = pl.ds(iv * block_v, block_v)
+    chunk0, num_chunks = seq_chunk0_ref[seq], seq_num_chunks_ref[seq]
+    bos, length = seq_bos_ref[seq], seq_len_ref[seq]
+    dtype = opts.dot_dtype
+    head_dim = w_ref.shape[-1]
+    state = (s0_ref[seq, hv, :, vs].astype(jnp.float32) if has_initial_state
+             else jnp.zeros((head_dim, block_v), jnp.float32))
+    for p in range(num_positions):
+        position = positions_ref[seq, p]
+
+        @pl.when((position == 0) | (position < 0) | (position > length))
+        def _():
+            checkpoint_refs[0][seq, p, hv, :, vs] = jnp.where(position == 0, state, 0.0)
+
+    rows = lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
+
+    def body(local, state):
+        chunk = chunk0 + local
+        start, valid = bos + local * CHUNK, length - local * CHUNK
+        state_in = state.astype(dtype)
+        u_tilde = u_ref[hv, chunk, :, vs].astype(jnp.float32) - _dot(w_ref[hv, chunk], state_in, dtype)
+        o = _dot(qg_ref[hv, chunk], state_in, dtype) + _dot(aqk_ref[hv, chunk], u_tilde, dtype)
+        pltriton.store(o_ref.at[pl.ds(start, CHUNK), hv, vs], o.astype(o_ref.dtype),
+                       mask=_row_mask(valid, CHUNK)[:, None])
+        for p in range(num_positions):
+            position = positions_ref[seq, p]
+
+            @pl.when((position > 0) & (position <= length) & ((position - 1) // CHUNK == local))
+            def _():
+                taken = position - local * CHUNK  # 1..CHUNK tokens of this chunk
+                k = _load_qk_rows(k_ref, start, head, valid, CHUNK, opts)
+                G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, CHUNK, opts),
+                               axis=0)
+                G_r = _select_row(G, taken - 1)[None, :]
+                k_to_r = k * jnp.exp(jnp.where(rows < taken, G_r - G, -jnp.inf))
+                checkpoint_refs[0][seq, p, hv, :, vs] = (
+                    jnp.exp(G_r).reshape(head_dim, 1) * state + _dot(k_to_r, u_tilde, dtype, trans_a=True))
+
+        decay = decay_ref[hv, chunk].reshape(head_dim, 1)
+        return decay * state + _dot(kg_ref[hv, chunk], u_tilde, dtype, trans_a=True)
+
+    state = lax.fori_loop(0, num_chunks, body, state)
+    final_ref[seq, hv, :, vs] = state
+
+
+def _chunk_plan(cu_seqlens, num_seqs, num_tokens):
+    """Chunk metadata (int32): per chunk ``bos``/``len`` over a static ``NC = T//C + N + 1``; per sequence the
+    first chunk, chunk count, ``bos`` and length."""
+    max_chunks = num_tokens // CHUNK + num_seqs + 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    num_chunks = (lengths + CHUNK - 1) // CHUNK
+    chunk_end = jnp.cumsum(num_chunks)
+    chunk0 = chunk_end - num_chunks
+    index = jnp.arange(max_chunks, dtype=jnp.int32)
+    seq = jnp.searchsorted(chunk_end, index, side="right")
+    safe = jnp.minimum(seq, num_seqs - 1)
+    local = index - chunk0[safe]
+    chunk_bos = cu_seqlens[safe] + local * CHUNK
+    chunk_len = jnp.where(seq < num_seqs, jnp.clip(lengths[safe] - local * CHUNK, 0, CHUNK), 0)
+    i32 = lambda x: x.astype(jnp.int32)
+    return max_chunks, tuple(map(i32, (chunk_bos, chunk_len))), tuple(map(i32, (chunk0, num_chunks,
+                                                                               cu_seqlens[:-1], lengths)))
+
+
+def _full(shape):
+    """BlockSpec handing the kernel the whole array (in-kernel data-dependent indexing)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                     checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
+                     block_v: int = 32, num_warps: int = 4, num_stages: int = 2):
+    """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
+
+    Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
+    | None)``.
+    """
+    batch, seq_len, num_heads, head_dim = q.shape
+    num_value_heads, value_dim = v.shape[-2:]
+    num_tokens = batch * seq_len
+    if cu_seqlens is None:
+        cu_seqlens = jnp.arange(batch + 1, dtype=jnp.int32) * seq_len
+    elif batch != 1:
+        raise ValueError(f"cu_seqlens requires B == 1, got B={batch}")
+    num_seqs = cu_seqlens.shape[0] - 1
+    block_v = min(block_v, value_dim)
+    dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+    opts = _Options(group=num_value_heads // num_heads, scale=head_dim**-0.5 if scale is None else float(scale),
+                    normalize_qk=use_qk_l2norm, has_gate=A_log is not None, lower_bound=lower_bound,
+                    dot_dtype=dot_dtype)
+    flat = lambda x: x.reshape((num_tokens,) + x.shape[2:])
+    q, k, v, g, beta = map(flat, (q, k, v, g, beta))
+    if A_log is None:
+        A_log, dt_bias = jnp.zeros((num_value_heads,), jnp.float32), jnp.zeros((num_value_heads, head_dim))
+    a_log = A_log.astype(jnp.float32)
+    dt_bias = dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim)
+    max_chunks, chunk_meta, seq_meta = _chunk_plan(cu_seqlens.astype(jnp.int32), num_seqs, num_tokens)
+    interpret = interpret_mode()
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+    inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
+    block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
+    intra_inputs = (*chunk_meta, q, k, v, g, beta, a_log, dt_bias)
+    w, u, qg, kg, aqk, decay = pl.pallas_call(
+        functools.partial(_intra_kernel, opts=opts),
+        out_shape=(inter(head_dim, dot_dtype), inter(value_dim, dot_dtype), inter(head_dim, dot_dtype),
+                   inter(head_dim, dot_dtype), inter(CHUNK, jnp.float32),
+                   jax.ShapeDtypeStruct((num_value_heads, max_chunks, head_dim), jnp.float32)),
+        grid=(max_chunks, num_value_heads),
+        in_specs=[_full(x.shape) for x in intra_inputs],
+        out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
+                   pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
+        compiler_params=params, interpret=interpret, name="kda_chunk_intra",
+    )(*intra_inputs)
+
+    has_initial_state = initial_state is not None
+    s0 = initial_state.astype(jnp.float32) if has_initial_state else jnp.zeros((1,), jnp.float32)
+    if checkpoint_positions is None:
+        positions, num_positions = jnp.zeros((1, 1), jnp.int32), 0
+    else:
+        positions, num_positions = checkpoint_positions.astype(jnp.int32), checkpoint_positions.shape[1]
+    o_init = jnp.zeros((num_tokens, num_value_heads, value_dim), q.dtype)
+    scan_inputs = (*seq_meta, positions, w, u, qg, kg, aqk, decay, s0, k, g, a_log, dt_bias, o_init)
+    state_shape = (num_seqs, num_value_heads, head_dim, value_dim)
+    out_shape = [jax.ShapeDtypeStruct(o_init.shape, q.dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)]
+    if num_positions:
+        out_shape.append(jax.ShapeDtypeStruct((num_seqs, num_positions) + state_shape[1:], jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_scan_kernel, opts=opts, block_v=block_v, num_positions=num_positions,
+                          has_initial_state=has_initial_state),
+        out_shape=tuple(out_shape),
+        grid=(num_seqs, num_value_heads, value_dim // block_v),
+        in_specs=[_full(x.shape) for x in scan_inputs],
+        out_specs=tuple(_full(s.shape) for s in out_shape),
+        input_output_aliases={len(scan_inputs) - 1: 0},
+        compiler_params=params, interpret=interpret, name="kda_chunk_scan",
+    )(*scan_inputs)
+    o = outs[0].reshape(batch, seq_len, num_value_heads, value_dim)
+    return o, outs[1], outs[2] if num_positions else None

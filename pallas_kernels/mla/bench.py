@@ -1,0 +1,329 @@
+"""H200 benchmark of MLA attention: absorbed paged decode, absorbed / un-absorbed prefill, vs XLA and roofline.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 pallas_kernels/mla/bench.py`` (writes ``$OUT/mla_bench.json``).
+One run measures, in order: the copy bandwidth and bf16 matmul rate (the roofline ceilings), correctness of
+every kernel against the fp32 XLA reference, a decode tiling sweep per head count, 8K-token prefill (absorbed
+and un-absorbed) over 0 / 32K cached tokens, then the decode grid (H x batch x context, XLA reference at batch
+16, fp8 cache at 32K). Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64, K_nope=V=128, block_size=64, scale=192**-0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.mla.attention import mla_paged_attention_pallas
+from pallas_kernels.mla.prefill import mla_prefill_attention_pallas
+from pallas_kernels.mla.reference import (
+    mla_paged_attention_reference,
+    mla_prefill_attention_reference,
+    quantize_latent_fp8,
+)
+
+R, K_ROPE, K_NOPE, V_DIM, BLOCK_SIZE = 512, 64, 128, 128, 64
+W = R + K_ROPE
+SCALE = (K_NOPE + K_ROPE) ** -0.5
+HEADS, BATCHES, CONTEXTS = (12, 32, 96), (16, 64, 1), (4096, 32768, 131072)  # most wanted first
+SWEEP_BATCH, SWEEP_CONTEXT, PREFILL_HEADS, PREFILL_NEW, PREFILL_CACHED = 16, 32768, 96, 8192, (0, 32768)
+COPY_ELEMS, MATMUL_N = 1 << 31, 8192  # ceilings: 4 GiB bf16 copy, 8192^3 bf16 matmul
+
+
+def time_call(fn, *args, target_s: float = 0.25, max_reps: int = 50) -> float:
+    """Seconds per call: one warm-up (compile), one timed call to size the loop, then a pipelined loop that
+    keeps only the last output alive (earlier ones are freed as they complete)."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    reps = int(min(max_reps, max(3, target_s / max(once, 1e-6))))
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / reps
+
+
+def ceilings() -> dict:
+    """Measured device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate."""
+    x = jax.random.normal(jax.random.key(0), (COPY_ELEMS,), jnp.bfloat16)
+    copy_s = time_call(jax.jit(lambda a: -a), x)
+    copy_bw = 2 * x.nbytes / copy_s
+    del x
+    a = jax.random.normal(jax.random.key(1), (MATMUL_N, MATMUL_N), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (MATMUL_N, MATMUL_N), jnp.bfloat16)
+    mm_s = time_call(jax.jit(lambda a, b: a @ b), a, b)
+    return {"copy_bytes_per_s": copy_bw, "bf16_matmul_flops_per_s": 2 * MATMUL_N**3 / mm_s}
+
+
+def make_cache(key, context_lens, *, dtype=jnp.bfloat16):
+    """Pages for requests of the given lengths, pages shuffled over the pool (block 0 scratch)."""
+    context_lens = np.asarray(context_lens, np.int32)
+    pages_per_seq = -(-context_lens // BLOCK_SIZE)
+    max_pages = int(pages_per_seq.max())
+    num_blocks = 1 + int(pages_per_seq.sum())
+    k_pages, k_perm = jax.random.split(key)
+    pages = jax.random.normal(k_pages, (num_blocks, BLOCK_SIZE, W), dtype)
+    perm = np.asarray(jax.random.permutation(k_perm, num_blocks - 1)) + 1
+    tables = np.zeros((len(context_lens), max_pages), np.int32)
+    start = 0
+    for n, count in enumerate(pages_per_seq):
+        tables[n, :count] = perm[start : start + count]
+        start += count
+    return pages, jnp.asarray(tables), jnp.asarray(context_lens)
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def to_fp8_cache(pages):
+    rows, scales = quantize_latent_fp8(pages.reshape(-1, W))
+    return rows.reshape(pages.shape), scales.reshape(pages.shape[:2])
+
+
+def check_correctness(results: dict) -> None:
+    """Mixed decode / spec / chunked-prefill batch with K3 shapes, bf16 and fp8, plus un-absorbed prefill."""
+    key = jax.random.key(10)
+    context_lens, q_lens = [5000, 1, 300, 2047, 777], [1, 1, 4, 8, 200]
+    pages, tables, ctx = make_cache(key, context_lens)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    for num_heads in (HEADS[0], HEADS[-1]):
+        q = jax.random.normal(jax.random.key(num_heads), (int(cu[-1]) + 3, num_heads, W), jnp.bfloat16)
+        want = mla_paged_attention_reference(q, pages, tables, ctx, cu, scale=SCALE, kv_lora_rank=R)
+        got = mla_paged_attention_pallas(q, pages, tables, ctx, cu, scale=SCALE, kv_lora_rank=R)
+        real = int(cu[-1])  # padding rows carry lse NO_KEY_LSE, which would swamp the norm
+        results[f"absorbed_H{num_heads}"] = {
+            "o_rel_err": rel_err(got[0], want[0]),
+            "lse_rel_err": rel_err(got[1][:real], want[1][:real]),
+            "padding_rows_zero": bool(jnp.all(got[0][real:] == 0)),
+        }
+        pages8, scales8 = to_fp8_cache(pages)
+        want8 = mla_paged_attention_reference(
+            q, pages8, tables, ctx, cu, scale=SCALE, kv_lora_rank=R, page_scales=scales8
+        )
+        got8 = mla_paged_attention_pallas(q, pages8, tables, ctx, cu, scale=SCALE, kv_lora_rank=R, page_scales=scales8)
+        results[f"absorbed_fp8_H{num_heads}"] = {
+            "o_rel_err_vs_fp8_ref": rel_err(got8[0], want8[0]),
+            "o_rel_err_vs_bf16_ref": rel_err(got8[0], want[0]),
+        }
+    num_heads, kv_lens, q_lens = HEADS[-1], [2300, 64], [300, 64]
+    keys = jax.random.split(jax.random.key(11), 4)
+    num_keys, num_tokens = sum(kv_lens), sum(q_lens)
+    q = jax.random.normal(keys[0], (num_tokens, num_heads, K_NOPE + K_ROPE), jnp.bfloat16)
+    k_nope = jax.random.normal(keys[1], (num_keys, num_heads, K_NOPE), jnp.bfloat16)
+    k_pe = jax.random.normal(keys[2], (num_keys, K_ROPE), jnp.bfloat16)
+    v = jax.random.normal(keys[3], (num_keys, num_heads, V_DIM), jnp.bfloat16)
+    cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    cu_kv = jnp.asarray(np.concatenate([[0], np.cumsum(kv_lens)]), jnp.int32)
+    want = mla_prefill_attention_reference(q, k_nope, k_pe, v, cu_q, cu_kv, scale=SCALE)
+    got = mla_prefill_attention_pallas(q, k_nope, k_pe, v, cu_q, cu_kv, scale=SCALE)
+    results[f"unabsorbed_H{num_heads}"] = {"o_rel_err": rel_err(got[0], want[0]), "lse_rel_err": rel_err(got[1], want[1])}
+
+
+def decode_roofline(batch, context, num_heads, ceil, *, bytes_per_row=2 * W + 0.0) -> tuple[float, float, float]:
+    """(bytes, flops, roofline seconds) of one absorbed decode call (1 query token per request)."""
+    nbytes = batch * context * bytes_per_row + batch * num_heads * (W + R) * 2
+    flops = 2.0 * batch * num_heads * context * (W + R)
+    return nbytes, flops, max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["bf16_matmul_flops_per_s"])
+
+
+def decode_fn(variant, fp8=False):
+    def run(q, pages, tables, ctx, cu, scales=None):
+        return mla_paged_attention_pallas(
+            q, pages, tables, ctx, cu, scale=SCALE, kv_lora_rank=R, page_scales=scales, **variant
+        )
+
+    return jax.jit(run)
+
+
+DECODE_VARIANTS = {
+    12: [dict(block_h=16, block_k=64, num_warps=4), dict(block_h=16, block_k=32, num_warps=4),
+         dict(block_h=16, block_k=64, num_warps=4, num_stages=3)],
+    32: [dict(block_h=32, block_k=64, num_warps=4), dict(block_h=32, block_k=32, num_warps=4),
+         dict(block_h=16, block_k=64, num_warps=4), dict(block_h=32, block_k=64, num_warps=8)],
+    96: [dict(block_h=64, block_k=64, num_warps=8), dict(block_h=64, block_k=32, num_warps=8),
+         dict(block_h=32, block_k=64, num_warps=4), dict(block_h=32, block_k=32, num_warps=4),
+         dict(block_h=32, block_k=64, num_warps=8)],
+}  # fmt: skip
+
+
+def guarded(row: dict, measure) -> dict:
+    """Run ``measure(row)``; a compile / runtime failure is recorded in the row instead of ending the run."""
+    try:
+        measure(row)
+    except Exception as e:
+        row["error"] = repr(e)[:300]
+    print(row)
+    return row
+
+
+def run_sweep(report: dict) -> dict:
+    """Tiling sweep at one decode shape -> {H: (best compiling variant, us)}."""
+    best, report["sweep"] = {}, []
+    pages, tables, ctx = make_cache(jax.random.key(1), [SWEEP_CONTEXT] * SWEEP_BATCH)
+    cu = jnp.arange(SWEEP_BATCH + 1, dtype=jnp.int32)
+    for num_heads in HEADS:
+        q = jax.random.normal(jax.random.key(num_heads), (SWEEP_BATCH, num_heads, W), jnp.bfloat16)
+        for variant in DECODE_VARIANTS[num_heads]:
+
+            def measure(row, variant=variant):
+                row["us"] = time_call(decode_fn(variant), q, pages, tables, ctx, cu) * 1e6
+                if num_heads not in best or row["us"] < best[num_heads][1]:
+                    best[num_heads] = (variant, row["us"])
+
+            report["sweep"].append(guarded({"H": num_heads, **variant}, measure))
+    return best
+
+
+def run_prefill(report: dict, ceil: dict, over) -> None:
+    """8K new tokens over 0 / 32K cached: absorbed kernel vs up-projection + un-absorbed kernel vs XLA."""
+    report["prefill"] = []
+    num_heads, new = PREFILL_HEADS, PREFILL_NEW
+    mm_rate = ceil["bf16_matmul_flops_per_s"]
+    for cached in PREFILL_CACHED:
+        if over():
+            report["skipped"].append(f"prefill cached={cached}")
+            continue
+        total = cached + new
+        pairs = new * cached + new * (new + 1) / 2
+        pages, tables, ctx = make_cache(jax.random.key(7 + cached), [total])
+        cu = jnp.asarray([0, new], jnp.int32)
+        q = jax.random.normal(jax.random.key(8), (new, num_heads, W), jnp.bfloat16)
+        flops_abs = 2 * pairs * num_heads * (W + R)
+        for bq, bh, warps in ((16, 4, 4), (8, 8, 4), (16, 8, 8), (32, 4, 8)):
+
+            def measure(row, bq=bq, bh=bh, warps=warps):
+                fn = jax.jit(lambda *a: mla_paged_attention_pallas(
+                    *a, scale=SCALE, kv_lora_rank=R, block_q=bq, block_h=bh, num_warps=warps, num_splits=1))
+                sec = time_call(fn, q, pages, tables, ctx, cu, target_s=0.5, max_reps=5)
+                row.update(ms=sec * 1e3, TFLOPs=flops_abs / sec / 1e12, pct_mm=100 * flops_abs / sec / mm_rate)
+
+            row = {"form": "absorbed", "cached": cached, "block_q": bq, "block_h": bh, "num_warps": warps}
+            report["prefill"].append(guarded(row, measure))
+        # Un-absorbed: gather the context latent, up-project with kv_b (XLA), then the flash kernel.
+        kv_b = jax.random.normal(jax.random.key(9), (R, num_heads * (K_NOPE + V_DIM)), jnp.bfloat16) * R**-0.5
+        q_mha = jax.random.normal(jax.random.key(10), (new, num_heads, K_NOPE + K_ROPE), jnp.bfloat16)
+
+        @jax.jit
+        def up_project(pages, tables):
+            rows = pages[tables[0]].reshape(-1, W)[:total]
+            kv = (rows[:, :R] @ kv_b).reshape(total, num_heads, K_NOPE + V_DIM)
+            return kv[..., :K_NOPE], rows[:, R:], kv[..., K_NOPE:]
+
+        k_nope, k_pe, v = up_project(pages, tables)
+        up_sec = time_call(up_project, pages, tables, target_s=0.2, max_reps=5)
+        cu_kv = jnp.asarray([0, total], jnp.int32)
+        flops_mha = 2 * pairs * num_heads * (K_NOPE + K_ROPE + V_DIM)
+        for bq, bk in ((64, 64), (128, 64), (128, 32)):
+
+            def measure(row, bq=bq, bk=bk):
+                fn = jax.jit(lambda *a: mla_prefill_attention_pallas(*a, scale=SCALE, block_q=bq, block_k=bk))
+                sec = time_call(fn, q_mha, k_nope, k_pe, v, cu, cu_kv, target_s=0.5, max_reps=10)
+                row.update(ms=sec * 1e3, TFLOPs=flops_mha / sec / 1e12, pct_mm=100 * flops_mha / sec / mm_rate,
+                           total_ms=(sec + up_sec) * 1e3)
+
+            row = {"form": "unabsorbed", "cached": cached, "block_q": bq, "block_k": bk, "up_project_ms": up_sec * 1e3}
+            report["prefill"].append(guarded(row, measure))
+        if cached == 0 and not over():
+
+            def measure_refs(row):
+                ref = jax.jit(lambda *a: mla_paged_attention_reference(*a, scale=SCALE, kv_lora_rank=R))
+                row["absorbed_ms"] = time_call(ref, q, pages, tables, ctx, cu, target_s=0.0, max_reps=1) * 1e3
+                ref = jax.jit(lambda *a: mla_prefill_attention_reference(*a, scale=SCALE))
+                row["unabsorbed_ms"] = time_call(ref, q_mha, k_nope, k_pe, v, cu, cu_kv, target_s=0.0, max_reps=1) * 1e3
+
+            report["prefill"].append(guarded({"form": "xla_reference", "cached": cached}, measure_refs))
+        del pages, k_nope, v
+
+
+def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
+    """The decode grid with each head count's best variant; XLA reference at the sweep batch, fp8 at its context."""
+    report["decode"] = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            if over():
+                report["skipped"].append(f"decode B={batch} ctx={context}")
+                continue
+            pages, tables, ctx = make_cache(jax.random.key(batch + context), [context] * batch)
+            cu = jnp.arange(batch + 1, dtype=jnp.int32)
+            fp8 = to_fp8_cache(pages) if context == SWEEP_CONTEXT and batch >= SWEEP_BATCH else None
+            for num_heads in [h for h in HEADS if h in best]:
+                q = jax.random.normal(jax.random.key(num_heads), (batch, num_heads, W), jnp.bfloat16)
+                nbytes, flops, roof = decode_roofline(batch, context, num_heads, ceil)
+
+                def measure(row, q=q, variant=best[num_heads][0], roof=roof, num_heads=num_heads):
+                    sec = time_call(decode_fn(variant), q, pages, tables, ctx, cu)
+                    row.update(us=sec * 1e6, cache_TBps=batch * context * 2 * W / sec / 1e12, pct_roof=100 * roof / sec)
+                    if fp8 is not None:
+                        _, _, roof8 = decode_roofline(batch, context, num_heads, ceil, bytes_per_row=W + 4.0)
+                        sec8 = time_call(decode_fn(variant), q, fp8[0], tables, ctx, cu, fp8[1])
+                        row.update(fp8_us=sec8 * 1e6, fp8_roof_us=roof8 * 1e6, fp8_pct_roof=100 * roof8 / sec8)
+                    if batch == SWEEP_BATCH and not over():
+                        ref = jax.jit(lambda *a: mla_paged_attention_reference(*a, scale=SCALE, kv_lora_rank=R))
+                        row["xla_ref_us"] = time_call(ref, q, pages, tables, ctx, cu, target_s=0.1, max_reps=3) * 1e6
+
+                row = {"H": num_heads, "B": batch, "ctx": context, "bytes": nbytes, "flops": flops, "roof_us": roof * 1e6}
+                report["decode"].append(guarded(row, measure))
+            del pages, fp8
+            save()
+
+
+def print_tables(report: dict) -> None:
+    nan = float("nan")
+    print("\n| H | B | ctx | pallas us | roof us | % roof | cache TB/s | XLA ref us | fp8 us | fp8 % roof |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in report.get("decode", []):
+        print(f"| {r['H']} | {r['B']} | {r['ctx']} | {r.get('us', nan):.0f} | {r['roof_us']:.0f} | "
+              f"{r.get('pct_roof', nan):.0f} | {r.get('cache_TBps', nan):.2f} | {r.get('xla_ref_us', nan):.0f} | "
+              f"{r.get('fp8_us', nan):.0f} | {r.get('fp8_pct_roof', nan):.0f} |")
+    for r in report.get("prefill", []):
+        print(r)
+
+
+SECTIONS = ("correctness", "sweep", "prefill", "decode")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budget-s", type=float, default=200.0, help="skip remaining items after this")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    sections = args.sections.split(",")
+    t0 = time.perf_counter()
+    over = lambda: time.perf_counter() - t0 > args.budget_s  # noqa: E731
+    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "skipped": []}
+
+    def save():
+        with open(os.path.join(args.out, "mla_bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+    ceil = report["ceilings"] = ceilings()
+    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 mm {ceil['bf16_matmul_flops_per_s'] / 1e12:.0f} TF/s")
+    if "correctness" in sections:
+        report["correctness"] = guarded({}, check_correctness)
+        save()
+    best = {}
+    if "sweep" in sections or "decode" in sections:
+        best = run_sweep(report)
+        save()
+    if "prefill" in sections:
+        run_prefill(report, ceil, over)
+        save()
+    if "decode" in sections:
+        run_decode(report, ceil, best, over, save)
+    report["elapsed_s"] = time.perf_counter() - t0
+    save()
+    print_tables(report)
+    print("best variants:", best, "skipped:", report["skipped"], f"{report['elapsed_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Pallas KDA kernels in interpret mode (CPU) against the pure-jnp references.
+
+Tolerances: fp32 inputs run exact fp32 dots in the kernels, so they agree with the references to 1e-4 of the
+largest magnitude (observed ~3e-7). bf16 inputs run bf16 dot operands (fp32 accumulation) like
+flash-linear-attention: observed ~6e-3 on o, ~2e-3 on states, bound 2e-2. The decode/verify kernels do
+fp32 math like their reference (1e-4), except that a bf16 state pool can round one element one ulp apart.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import kda
+
+from .test_kda_reference import assert_close, naive_recurrent_kda
+
+chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "lower_bound", "impl"))
+fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda, static_argnames=("lower_bound", "scale", "eps", "impl"))
+fused_recurrent_kda_verify = jax.jit(kda.fused_recurrent_kda_verify,
+                                     static_argnames=("lower_bound", "scale", "eps", "impl"))
+
+FP32_TOL, BF16_TOL = 1e-4, 2e-2
+CU = np.array([0, 0, 1, 70, 70, 101, 130], np.int32)  # empty, one token, 69 (> C=64), empty, 31, 29; 3 padding
+POSITIONS = np.array([[0, -1], [1, 0], [64, 69], [0, -1], [31, 17], [16, 29]], np.int32)
+
+
+def prefill_inputs(seed, dtype, num_tokens=133, heads=1, value_heads=2, head_dim=16, value_dim=16):
+    rng = np.random.default_rng(seed)
+    arr = lambda shape, dt=dtype: jnp.asarray(rng.standard_normal(shape), dt)
+    return dict(q=arr((1, num_tokens, heads, head_dim)), k=arr((1, num_tokens, heads, head_dim)),
+                v=arr((1, num_tokens, value_heads, value_dim)),
+                g=jnp.asarray(rng.standard_normal((1, num_tokens, value_heads, head_dim)) + 1.0, jnp.float32),
+                beta=jnp.asarray(rng.uniform(size=(1, num_tokens, value_heads)), dtype),
+                A_log=jnp.asarray(rng.uniform(0.0, 2.5, value_heads), jnp.float32),
+                dt_bias=arr((value_heads * head_dim,), jnp.float32),
+                initial_state=arr((len(CU) - 1, value_heads, head_dim, value_dim), jnp.float32))
+
+
+@pytest.mark.slow  # ~15 s CPU per case: interpret-mode compile of the full intra + scan kernels
+@pytest.mark.parametrize("dtype,lower_bound", [(jnp.float32, -5.0), (jnp.bfloat16, None)])
+def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
+    """Varlen with empty / one-token sequences and padding, GVA, in-kernel gate (both forms; the -5 bound takes
+    the midpoint diagonal path, softplus the pairwise one) and L2 norm, initial states, checkpoints."""
+    x = prefill_inputs(0, dtype)
+    kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
+                  checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
+                  dt_bias=x["dt_bias"], lower_bound=lower_bound)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    ours = chunk_kda(*args, impl="pallas", **kwargs)
+    ref = chunk_kda(*args, impl="reference", **kwargs)
+    tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
+    assert ours[0].dtype == dtype
+    for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
+        assert_close(a, b, tol, name)
+    assert np.all(np.asarray(ours[0][0, 130:]) == 0)  # tokens past the last sequence
+
+
+def test_chunk_dense_log_decay_matches_naive():
+    """Dense batch of 2, odd length, precomputed log-decay (pairwise diagonal), no initial state, custom scale."""
+    rng = np.random.default_rng(1)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    norm = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    q, k, v = norm(arr(2, 77, 1, 16)), norm(arr(2, 77, 1, 16)), arr(2, 77, 2, 16)
+    g = -jax.nn.softplus(arr(2, 77, 2, 16) + 1.0)
+    beta = jnp.asarray(rng.uniform(size=(2, 77, 2)), jnp.float32)
+    o, state, checkpoints = chunk_kda(q, k, v, g, beta, scale=0.3, impl="pallas")
+    o_ref, state_ref = naive_recurrent_kda(q, k, v, g, beta, scale=0.3)
+    assert checkpoints is None
+    assert_close(o, o_ref, FP32_TOL, "o")
+    assert_close(state, state_ref, FP32_TOL, "final_state")
+
+
+def recurrent_inputs(seed, num_tokens, state_dtype, heads=2, value_heads=4, dim=16, width=4, slots=7, seqs=3):
+    rng = np.random.default_rng(seed)
+    channels = 2 * heads * dim + value_heads * dim
+    arr = lambda shape, scale=1.0, dt=jnp.float32: jnp.asarray(rng.standard_normal(shape) * scale, dt)
+    return dict(mixed_qkv=arr((seqs, num_tokens, channels)), conv_weight=arr((channels, width), 0.5),
+                conv_state=arr((slots, width - 1, channels)), g_raw=arr((seqs, num_tokens, value_heads * dim)),
+                beta_logits=arr((seqs, num_tokens, value_heads)), A_log=jnp.asarray(rng.uniform(0, 2, value_heads),
+                                                                                    jnp.float32),
+                dt_bias=arr((value_heads * dim,)), state=arr((slots, value_heads, dim, dim), 0.3, state_dtype),
+                slots=jnp.asarray([3, 1, 5], jnp.int32), gate_logits=arr((seqs, num_tokens, value_heads * dim)),
+                o_norm_weight=jnp.asarray(rng.uniform(0.5, 1.5, dim), jnp.float32))
+
+
+def test_decode_matches_reference_in_place():
+    """bf16 state pool, lower-bound gate, GVA; slots not in ``slots`` stay untouched."""
+    x = recurrent_inputs(2, 1, jnp.bfloat16)
+    x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
+    ours = fused_recurrent_kda(**x, lower_bound=-5.0, impl="pallas")
+    ref = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
+    # fp32 math on both sides; the bf16 pool may round a near-tie the other way: one bf16 ulp (2^-8) on state.
+    for name, a, b, tol in zip(("y", "conv_state", "state"), ours, ref, (FP32_TOL, FP32_TOL, BF16_TOL)):
+        assert_close(a, b, tol, name)
+    untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
+    np.testing.assert_array_equal(np.asarray(ours[2])[untouched], np.asarray(x["state"])[untouched])
+
+
+@pytest.mark.slow
+def test_verify_matches_token_by_token_decode():
+    """Verify over 3 tokens (softplus gate; state after each token in its own slot, -1 = dropped) equals 3
+    reference decode steps."""
+    x = recurrent_inputs(3, 3, jnp.float32)
+    out_slots = jnp.asarray([[3, 2, 6], [0, -1, 4], [5, 5, 5]], jnp.int32)
+    y, conv_state, state = fused_recurrent_kda_verify(**x, out_slots=out_slots, impl="pallas")
+    step = {n: x[n] for n in ("conv_weight", "A_log", "dt_bias", "o_norm_weight")}
+    pools = dict(conv_state=x["conv_state"], state=x["state"])
+    # Stepping in place moves each sequence's states along private slots; compare per token with the verify slots.
+    stepped_slots = jnp.asarray([3, 1, 5], jnp.int32)
+    for t in range(3):
+        y_t, cs, st = fused_recurrent_kda(x["mixed_qkv"][:, t], conv_state=pools["conv_state"], g_raw=x["g_raw"][:, t],
+                                          beta_logits=x["beta_logits"][:, t], state=pools["state"],
+                                          slots=stepped_slots, gate_logits=x["gate_logits"][:, t], impl="reference",
+                                          **step)
+        pools = dict(conv_state=cs, state=st)
+        assert_close(y[:, t], y_t, FP32_TOL, f"y[{t}]")
+        for n, dest in enumerate(np.asarray(out_slots[:, t])):
+            if dest >= 0 and not (n == 2 and t < 2):  # sequence 2 writes slot 5 at every token: only the last stays
+                assert_close(state[dest], st[stepped_slots[n]], FP32_TOL, f"state seq {n} token {t}")
+                assert_close(conv_state[dest], cs[stepped_slots[n]], FP32_TOL, f"conv seq {n} token {t}")
