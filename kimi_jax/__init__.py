@@ -10,4 +10,16 @@ from kimi_jax.api import KimiLM, load
 from kimi_jax.config import ModelConfig
 from kimi_jax.presets import PRESETS, get_preset
 
-__all__ = ["KimiLM", "ModelConfig", "PRESETS", "get_preset", "load"]
+__all__ = ["LLM", "KimiLM", "ModelConfig", "PRESETS", "SamplingParams", "get_preset", "load"]
+
+
+def __getattr__(name: str):
+    """``kimi_jax.LLM`` / ``kimi_jax.SamplingParams``: the serving engine's offline API, imported on first use
+    (the engine lives in ``serve/``, above this package, so the import is lazy)."""
+    if name == "LLM":
+        from serve.engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from serve.engine.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'kimi_jax' has no attribute {name!r}")

@@ -26,14 +26,15 @@ BLOCK_SIZE = 16
 class KimiLM:
     """A loaded model plus jitted helpers. ``model`` is the nnx module; ``config`` its ModelConfig."""
 
-    def __init__(self, model: KimiModel, *, impl: str | None = None):
+    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed"):
         self.model = model
         self.config: ModelConfig = model.config
         self.impl = impl
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         self._state = state
-        self._step = jax.jit(functools.partial(_run_step, graphdef, impl=impl), donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_run_step, graphdef, impl=impl, mla_form=mla_form),
+                             donate_argnums=(1,))
 
     @property
     def dtype(self):
@@ -46,8 +47,13 @@ class KimiLM:
                           num_slots=1 + num_seqs, dtype=self.dtype)
 
     def step(self, cache: HybridCache, step: StepInputs) -> tuple[jax.Array, HybridCache]:
-        """One packed step: -> (fp32 logits of ``step.logits_indices`` [M, vocab], new cache). Donates ``cache``."""
-        return self._step(self._state, cache, step)
+        """One packed step: -> (fp32 logits of ``step.logits_indices`` [M, vocab], new cache). Donates ``cache``.
+
+        Token, sequence and row counts are padded up to powers of two first, so repeated calls with similar
+        sizes reuse one compiled program."""
+        num_rows = step.logits_indices.shape[0]
+        logits, cache = self._step(self._state, cache, pad_step(step))
+        return logits[:num_rows], cache
 
     def logits(self, input_ids) -> jax.Array:
         """Full forward without a persistent cache: int ``[B, T]`` -> fp32 logits ``[B, T, vocab]``."""
@@ -92,13 +98,40 @@ class KimiLM:
                     done[i] = int(tokens[i]) in stops
             if all(done) or t == max_new_tokens - 1:
                 break
-            step = _packed_step([[o[-1]] for o in outputs], [len(o) - 1 for o in outputs], max_len=max_len)
+            step = _packed_step([[o[-1]] for o in outputs], [len(o) - 1 for o in outputs], max_len=max_len,
+                                decode_only=True)
         return outputs
 
 
-def _run_step(graphdef, state, cache, step, *, impl):
+def _bucket(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def pad_step(step: StepInputs) -> StepInputs:
+    """Pad T, N and M of a step to powers of two with inert padding (empty sequences on block 0 / slot 0)."""
+    t, n, m = step.num_tokens, step.num_seqs, step.logits_indices.shape[0]
+    tp, np_, mp = _bucket(t, 8), _bucket(n), _bucket(m)
+    if step.decode_only:  # the fused decode path pairs row i with sequence i
+        tp = np_ = _bucket(n, 8)
+    if (tp, np_, mp) == (t, n, m):
+        return step
+    f = {k: np.asarray(v) for k, v in step.__dict__.items() if k != "decode_only"}
+    pad_n = np_ - n
+    return StepInputs(
+        token_ids=jnp.asarray(np.pad(f["token_ids"], (0, tp - t))),
+        cu_seqlens=jnp.asarray(np.pad(f["cu_seqlens"], (0, pad_n), mode="edge")),
+        context_lens=jnp.asarray(np.pad(f["context_lens"], (0, pad_n))),
+        block_tables=jnp.asarray(np.pad(f["block_tables"], ((0, pad_n), (0, 0)))),
+        state_slots=jnp.asarray(np.pad(f["state_slots"], (0, pad_n))),
+        logits_indices=jnp.asarray(np.pad(f["logits_indices"], (0, mp - m))),
+        checkpoint_positions=jnp.asarray(np.pad(f["checkpoint_positions"], ((0, pad_n), (0, 0)), constant_values=-1)),
+        checkpoint_slots=jnp.asarray(np.pad(f["checkpoint_slots"], ((0, pad_n), (0, 0)))),
+        decode_only=step.decode_only)
+
+
+def _run_step(graphdef, state, cache, step, *, impl, mla_form):
     model = nnx.merge(graphdef, state)
-    hidden, cache = forward(model, cache, step, impl=impl)
+    hidden, cache = forward(model, cache, step, impl=impl, mla_form=mla_form)
     return compute_logits(model, hidden), cache
 
 
@@ -120,7 +153,8 @@ def _sample(logits, key, temperature: float, top_k: int, top_p: float):
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def _packed_step(seqs: list[list[int]], context: list[int], *, max_len: int, all_rows: bool = False) -> StepInputs:
+def _packed_step(seqs: list[list[int]], context: list[int], *, max_len: int, all_rows: bool = False,
+                 decode_only: bool = False) -> StepInputs:
     """StepInputs for sequence i = ``seqs[i]`` new tokens after ``context[i]`` cached ones; sequence i owns
     slot i+1 and the pages ``1 + i*P ..`` (P = pages for ``max_len``)."""
     n = len(seqs)
@@ -134,7 +168,8 @@ def _packed_step(seqs: list[list[int]], context: list[int], *, max_len: int, all
         cu_seqlens=jnp.asarray(cu), context_lens=jnp.asarray(np.asarray(context, np.int32)),
         block_tables=jnp.asarray(tables), state_slots=jnp.asarray(np.arange(1, n + 1, dtype=np.int32)),
         logits_indices=jnp.asarray(rows.astype(np.int32)),
-        checkpoint_positions=jnp.full((n, 0), -1, jnp.int32), checkpoint_slots=jnp.zeros((n, 0), jnp.int32))
+        checkpoint_positions=jnp.full((n, 0), -1, jnp.int32), checkpoint_slots=jnp.zeros((n, 0), jnp.int32),
+        decode_only=decode_only)
 
 
 def _dtype(dtype) -> jnp.dtype:

@@ -83,9 +83,12 @@ class _Mixer:
         return mixed
 
 
-def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None
-            ) -> tuple[jax.Array, HybridCache]:
-    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [N, D], new cache)."""
+def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None,
+            mla_form: str = "absorbed") -> tuple[jax.Array, HybridCache]:
+    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache).
+
+    ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
+    ("absorbed" or "unabsorbed", the same function; see kimi_jax.layers.mla)."""
     cfg = model.config
     layout = token_layout(step)
     x = model.embed[step.token_ids]
@@ -102,7 +105,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             out, s_j, c_j = kda_layer(model.kda, j, h, state[j], conv[j], step, layout, cfg, impl=impl)
             state, conv = state.at[j].set(s_j), conv.at[j].set(c_j)
             return out
-        out, pages = mla_layer(model.mla, mla_j[i], h, pages, step, layout, cfg, impl=impl)
+        out, pages = mla_layer(model.mla, mla_j[i], h, pages, step, layout, cfg, impl=impl, form=mla_form)
         return out
 
     def ffn(i: int, h: jax.Array) -> jax.Array:

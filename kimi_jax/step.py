@@ -20,7 +20,7 @@ from kimi_jax.config import ModelConfig
 @partial(jax.tree_util.register_dataclass,
          data_fields=["token_ids", "cu_seqlens", "context_lens", "block_tables", "state_slots", "logits_indices",
                       "checkpoint_positions", "checkpoint_slots"],
-         meta_fields=[])
+         meta_fields=["decode_only"])
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """One packed ragged step (all int32).
@@ -33,6 +33,8 @@ class StepInputs:
     logits_indices       [M]      rows whose final hidden states the step returns (usually each sequence's last)
     checkpoint_positions [N, Pc]  absolute token counts of sequence n at which to export the KDA state, -1 = none
     checkpoint_slots     [N, Pc]  destination slots of those checkpoints
+    decode_only          static: every row is one token of a sequence with cached context (T == N, all
+                         context_lens > 0, no checkpoints); KDA then runs the fused single-token kernel
     """
 
     token_ids: jax.Array
@@ -43,6 +45,7 @@ class StepInputs:
     logits_indices: jax.Array
     checkpoint_positions: jax.Array
     checkpoint_slots: jax.Array
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:

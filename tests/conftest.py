@@ -12,3 +12,12 @@ import pytest  # noqa: E402
 def rng(request):
     """A numpy Generator seeded from the test name: fresh random inputs per test, reproducible per test."""
     return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))
+
+
+def pytest_configure(config):
+    """Persistent XLA compilation cache: the suite compiles dozens of small programs; reruns reuse them."""
+    import jax
+
+    cache_dir = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

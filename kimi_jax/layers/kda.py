@@ -97,6 +97,11 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
     t_rows = x.shape[0]
     h, hv, k, v = cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
     qkv = jnp.concatenate([linear(x, p.q_proj[j]), linear(x, p.k_proj[j]), linear(x, p.v_proj[j])], axis=-1)
+    g_raw = linear(linear(x, p.f_a[j]), p.f_b[j]).astype(F32).reshape(t_rows, hv, k)
+    beta_logits = linear(x, p.b_proj[j]).astype(F32)  # [T, HV]
+    gate = linear(x, p.g_proj[j]) if cfg.kda_full_rank_gate else linear(linear(x, p.g_a[j]), p.g_b[j])
+    if step.decode_only:
+        return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, step, cfg, impl)
 
     fresh = (step.context_lens == 0)
     old_conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[step.state_slots])  # [N, W-1, C]
@@ -108,9 +113,7 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
     q = qkv_act[:, : h * k].reshape(t_rows, h, k)
     kk = qkv_act[:, h * k: 2 * h * k].reshape(t_rows, h, k)
     vv = qkv_act[:, 2 * h * k:].reshape(t_rows, hv, v)
-
-    g_raw = linear(linear(x, p.f_a[j]), p.f_b[j]).astype(F32).reshape(t_rows, hv, k)
-    beta = jax.nn.sigmoid(linear(x, p.b_proj[j]).astype(F32))  # [T, HV]
+    beta = jax.nn.sigmoid(beta_logits)
 
     ck_rel = jnp.where(step.checkpoint_positions >= 0, step.checkpoint_positions - step.context_lens[:, None], -1)
     ck_valid = (ck_rel >= 0) & (ck_rel <= layout.q_lens[:, None])
@@ -121,11 +124,6 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
         cu_seqlens=step.cu_seqlens, use_qk_l2norm=True, A_log=p.A_log[j], dt_bias=p.dt_bias[j],
         lower_bound=cfg.kda_gate_lower_bound, checkpoint_positions=ck_rel if want_ck else None, impl=impl)
     o = o[0]  # [T, HV, V]
-
-    if cfg.kda_full_rank_gate:
-        gate = linear(x, p.g_proj[j])
-    else:
-        gate = linear(linear(x, p.g_a[j]), p.g_b[j])
     y = gated_rms_norm(o, gate.reshape(t_rows, hv, v), p.o_norm[j], cfg.rms_norm_eps)
     out = linear(y.reshape(t_rows, hv * v), p.o_proj[j])
 
@@ -143,3 +141,16 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
         conv_pool = conv_pool.at[dst].set(ck_conv.reshape((-1,) + new_conv.shape[1:]).astype(conv_pool.dtype),
                                           mode="drop")
     return out, state_pool, conv_pool
+
+
+def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, step: StepInputs,
+            cfg: ModelConfig, impl):
+    """One token per sequence (row i = sequence i, all with cached context): the fused decode op updates the
+    slots' conv and recurrent state in place and returns the gated-normed output."""
+    t_rows = x.shape[0]
+    if t_rows != step.num_seqs:
+        raise ValueError(f"decode_only steps need one row per sequence, got T={t_rows}, N={step.num_seqs}")
+    y, conv_pool, state_pool = kda_ops.fused_recurrent_kda(
+        qkv, p.conv[j], conv_pool, g_raw.reshape(t_rows, -1), beta_logits, p.A_log[j], p.dt_bias[j], state_pool,
+        step.state_slots, gate, p.o_norm[j], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, impl=impl)
+    return linear(y.astype(x.dtype), p.o_proj[j]), state_pool, conv_pool

@@ -1,0 +1,78 @@
+"""``kimi-jax`` command line: ``generate`` (one-off prompts), ``serve`` (OpenAI server), ``bench serve``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a continuation of one or more prompts")
+    p.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint folder (default: tiny)")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: a short Python prompt")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="parameter dtype (float32 is fastest on CPU)")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import kimi_jax
+    from kimi_jax.tokenizer import load_tokenizer
+
+    start = time.perf_counter()
+    lm = kimi_jax.load(args.model, dtype=args.dtype, seed=args.seed)
+    tokenizer = load_tokenizer(args.model if os.path.isdir(args.model) else "tiny")
+    if tokenizer.vocab_size > lm.config.vocab_size:
+        raise SystemExit(f"tokenizer has {tokenizer.vocab_size} ids but the model only {lm.config.vocab_size}")
+    prompts = args.prompt or ['def fibonacci(n):\n    """Return the']
+    ids = [tokenizer.encode(p) for p in prompts]
+    print(f"loaded {args.model} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    start = time.perf_counter()
+    outs = lm.generate(ids, max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, stop_token_ids=list(tokenizer.eos_token_ids))
+    new_tokens = sum(len(o) - len(i) for o, i in zip(outs, ids))
+    for prompt, prompt_ids, out in zip(prompts, ids, outs):
+        print(prompt + tokenizer.decode(out[len(prompt_ids):], skip_special_tokens=True))
+        print("-" * 40)
+    print(f"{new_tokens} tokens in {time.perf_counter() - start:.1f}s (first call includes compilation)",
+          file=sys.stderr)
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from serve.bench import add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("serve", help="load generator against an OpenAI-compatible endpoint")
+    add_bench_args(p)
+    p.set_defaults(func=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from serve.bench import main as bench_main
+
+    bench_main(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
