@@ -188,7 +188,7 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
     dt = _dtype(dtype)
     if os.path.isdir(path_or_preset):
         cfg = ModelConfig.from_json_file(os.path.join(path_or_preset, "config.json"))
-        model = KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed))
+        model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed)))  # shapes only, no init
         return KimiLM(load_into(model, path_or_preset), impl=impl)
     if path_or_preset in PRESETS:
         shipped = shipped_checkpoint(path_or_preset)

@@ -63,7 +63,7 @@ class KimiModel(nnx.Module):
 
     @property
     def dtype(self):
-        return self.embed.value.dtype
+        return self.embed.dtype
 
 
 def _stack_index(layers: tuple[int, ...]) -> dict[int, int]:
@@ -140,5 +140,5 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
 
 def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> fp32 logits [..., vocab]."""
-    w = model.embed.value.T if model.config.tie_word_embeddings else model.lm_head.value
+    w = model.embed[...].T if model.config.tie_word_embeddings else model.lm_head[...]
     return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=F32)

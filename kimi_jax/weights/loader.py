@@ -117,7 +117,7 @@ def load_into(model: KimiModel, folder: str, *, progress: Callable[[int, int], N
         raise ValueError(f"checkpoint has no tensors for parameters {missing}")
     for done, (path, entries) in enumerate(groups.items(), start=1):
         var = params[path]
-        host = np.zeros(var.value.shape, dtype=np.dtype(var.value.dtype))
+        host = np.zeros(var.shape, dtype=np.dtype(var.dtype))
         depth = len(entries[0][1].index)
         conv_rows = entries[0][1].rows is not None
         seen: set[tuple] = set()
@@ -130,7 +130,7 @@ def load_into(model: KimiModel, folder: str, *, progress: Callable[[int, int], N
         holes = sorted(_expected_keys(host.shape, depth, conv_rows) - seen)
         if holes:
             raise ValueError(f"checkpoint is missing tensors for {path} at stacked indices {holes[:5]}")
-        var.value = jnp.asarray(host)
+        var.set_value(jnp.asarray(host))
         del host
         if progress:
             progress(done, len(groups))

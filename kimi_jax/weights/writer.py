@@ -21,7 +21,7 @@ def hub_tensors(model: KimiModel):
     host = {}
     for name, slot in hub_names(model.config, set(params)):
         if slot.path not in host:
-            host[slot.path] = np.asarray(jax.device_get(params[slot.path].value))
+            host[slot.path] = np.asarray(jax.device_get(params[slot.path].get_value()))
         value = host[slot.path][slot.index] if slot.index else host[slot.path]
         if slot.rows is not None:
             value = value[slot.rows]
