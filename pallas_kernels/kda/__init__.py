@@ -35,13 +35,16 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         state; ``-1`` = unused (zeros).
       use_qk_l2norm: L2-normalise q and k (eps 1e-6 inside the sqrt) first.
       A_log ``[HV]``, dt_bias ``[HV*K]``, lower_bound: gate parameters (see :func:`kda_gate`).
-      impl: ``None | "reference" | "pallas"`` (pallas: K and V powers of 2, >= 16; bf16 inputs use bf16 dot
-        operands with fp32 accumulation like flash-linear-attention, fp32 inputs exact fp32).
+      impl: ``None | "reference" | "recurrent" | "pallas"``: the chunked (WY/UT) reference, the token-recurrent
+        reference (same results, 2-3x cheaper to compile: the CPU default inside the model), or the Pallas
+        kernel (K and V powers of 2, >= 16; bf16 inputs use bf16 dot operands with fp32 accumulation like
+        flash-linear-attention, fp32 inputs exact fp32).
 
     Returns:
       ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32 | None)``.
     """
-    if resolve_impl(impl) == "pallas":
+    recurrent = impl == "recurrent"
+    if not recurrent and resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.chunk import chunk_kda_pallas
 
         return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -53,9 +56,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         g = kda_gate(g, A_log, dt_bias, lower_bound)
     if use_qk_l2norm:
         q, k = l2_normalize(q.astype(jnp.float32)), l2_normalize(k.astype(jnp.float32))
-    o, final_state, checkpoints = chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                                      cu_seqlens=cu_seqlens,
-                                                      checkpoint_positions=checkpoint_positions)
+    if recurrent:
+        out = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                  checkpoint_positions=checkpoint_positions)
+        o, final_state, checkpoints = out if checkpoint_positions is not None else (*out, None)
+    else:
+        o, final_state, checkpoints = chunk_kda_reference(q, k, v, g, beta, scale=scale,
+                                                          initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                                          checkpoint_positions=checkpoint_positions)
     return o.astype(out_dtype), final_state, checkpoints
 
 

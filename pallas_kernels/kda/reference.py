@@ -88,7 +88,8 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     return qf, kf, flat(v), flat(g), flat(beta), initial_state.astype(jnp.float32), cu, num_seqs
 
 
-def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None):
+def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+                        checkpoint_positions=None):
     """Token-by-token KDA recurrence (spec 1.5).
 
     Args:
@@ -98,25 +99,38 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_
       initial_state: ``[N, HV, K, V]`` (zeros if None).
       cu_seqlens: int32 ``[N+1]`` packed sequence boundaries (requires ``B == 1``); tokens past
         ``cu_seqlens[N]`` are ignored and get a zero output.
+      checkpoint_positions: int32 ``[N, P]`` token counts into sequence n (0..len_n) at which to export the
+        state, ``-1`` = unused (zeros there), as in :func:`chunk_kda_reference`.
 
     Returns:
-      ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32)``.
+      ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32)``, plus ``checkpoints [N, P, HV, K, V]``
+      fp32 as a third element when ``checkpoint_positions`` is given.
     """
     batch, seq_len = q.shape[:2]
     qf, kf, vf, gf, bf, s0, cu, num_seqs = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     seq_ids = _token_sequence_ids(cu, batch * seq_len)
+    counts = jnp.arange(batch * seq_len, dtype=jnp.int32) + 1 - cu[jnp.minimum(seq_ids, num_seqs - 1)]
     pool = jnp.concatenate([s0, jnp.zeros_like(s0[:1])])  # slot N absorbs tokens past the last sequence
+    want = checkpoint_positions is not None
+    positions = (jnp.full((num_seqs + 1, 1), -1, jnp.int32) if not want else
+                 jnp.concatenate([checkpoint_positions.astype(jnp.int32),
+                                  jnp.full((1, checkpoint_positions.shape[1]), -1, jnp.int32)]))
+    ckpts = jnp.where((positions == 0)[:, :, None, None, None], pool[:, None], 0.0)
 
-    def step(pool, xs):
-        q_t, k_t, v_t, g_t, b_t, n = xs  # [HV, K], [HV, K], [HV, V], [HV, K], [HV], []
+    def step(carry, xs):
+        pool, ckpts = carry
+        q_t, k_t, v_t, g_t, b_t, n, c = xs  # [HV, K], [HV, K], [HV, V], [HV, K], [HV], [], []
         state = pool[n] * jnp.exp(g_t)[:, :, None]
         error = v_t - jnp.einsum("hkv,hk->hv", state, k_t, precision=HIGHEST)
         state = state + b_t[:, None, None] * k_t[:, :, None] * error[:, None, :]
         o_t = jnp.einsum("hkv,hk->hv", state, q_t, precision=HIGHEST)
-        return pool.at[n].set(state), jnp.where(n < num_seqs, o_t, 0.0)
+        hit = (positions[n] == c)[:, None, None, None]
+        ckpts = ckpts.at[n].set(jnp.where(hit, state[None], ckpts[n]))
+        return (pool.at[n].set(state), ckpts), jnp.where(n < num_seqs, o_t, 0.0)
 
-    pool, o = lax.scan(step, pool, (qf, kf, vf, gf, bf, seq_ids))
-    return o.reshape((batch, seq_len) + o.shape[1:]).astype(q.dtype), pool[:num_seqs]
+    (pool, ckpts), o = lax.scan(step, (pool, ckpts), (qf, kf, vf, gf, bf, seq_ids, counts))
+    o = o.reshape((batch, seq_len) + o.shape[1:]).astype(q.dtype)
+    return (o, pool[:num_seqs], ckpts[:num_seqs]) if want else (o, pool[:num_seqs])
 
 
 def _chunk_layout(cu_seqlens, num_seqs, num_tokens, chunk_size):

@@ -144,3 +144,24 @@ def test_dispatcher_applies_gate_and_l2norm():
                                        beta, scale=0.5)
     assert_close(o, o_ref, FP32_TOL, "o")
     assert_close(s, s_ref, FP32_TOL, "final_state")
+
+
+def test_recurrent_reference_exports_checkpoints_like_chunked(rng):
+    """The token-recurrent reference's checkpoints (the model's CPU path) equal the chunked reference's."""
+    import jax.numpy as jnp
+    from pallas_kernels.kda import chunk_kda
+
+    t, h, k = 23, 2, 8
+    q, kk = (jnp.asarray(rng.standard_normal((1, t, h, k)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, t, h, k)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((1, t, h, k)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (1, t, h)), jnp.float32)
+    cu = jnp.asarray([0, 9, 9, 23], jnp.int32)
+    init = jnp.asarray(rng.standard_normal((3, h, k, k)), jnp.float32)
+    pos = jnp.asarray([[0, 4, 9], [0, -1, -1], [1, 14, -1]], jnp.int32)
+    kw = dict(initial_state=init, cu_seqlens=cu, checkpoint_positions=pos, use_qk_l2norm=True,
+              A_log=jnp.zeros(h), dt_bias=jnp.zeros(h * k), lower_bound=-5.0)
+    want = chunk_kda(q, kk, v, g, beta, impl="reference", **kw)
+    got = chunk_kda(q, kk, v, g, beta, impl="recurrent", **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
