@@ -45,6 +45,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from serve.openai.cli_args import add_serve_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default model: the shipped tiny model)")
+    add_serve_args(p)
+    p.set_defaults(func=_serve)
+
+
+def engine_args_from_cli(args: argparse.Namespace) -> dict:
+    """EngineConfig fields set on the command line (None = platform default)."""
+    fields = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+                  prefix_cache_retention_interval=args.prefix_cache_retention_interval,
+                  kv_cache_dtype=args.kv_cache_dtype)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serve.engine.async_engine import AsyncEngine
+    from serve.engine.engine import LLMEngine
+    from serve.openai.cli_args import run_server
+
+    start = time.perf_counter()
+    print(f"[kimi-jax] loading {args.model} and compiling the step buckets ...", file=sys.stderr, flush=True)
+    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, seed=args.seed, **engine_args_from_cli(args))
+    runner = engine.runner
+    print(f"[kimi-jax] ready in {time.perf_counter() - start:.1f}s: {runner.num_executables} executables "
+          f"compiled in {runner.warm_up_seconds:.1f}s; {runner.plan.describe()}", file=sys.stderr, flush=True)
+    run_server(args, AsyncEngine(engine))
+    return 0
+
+
 def _add_bench(sub) -> None:
     from serve.bench import add_bench_args
 
@@ -65,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimi-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
     return parser
 

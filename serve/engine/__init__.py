@@ -15,3 +15,18 @@ __all__ = [
     "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "TokenConstraint",
     "plan_pools",
 ]
+
+# Device side and loops (they import JAX): loaded on first use, so ``import serve.engine`` stays JAX-free.
+from serve.engine.buckets import Buckets  # noqa: E402
+from serve.engine.config import EngineConfig  # noqa: E402
+
+_LAZY = {"AsyncEngine": "serve.engine.async_engine", "EngineStats": "serve.engine.engine",
+         "LLM": "serve.engine.llm", "LLMEngine": "serve.engine.engine", "ModelRunner": "serve.engine.runner"}
+__all__ += ["Buckets", "EngineConfig", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'serve.engine' has no attribute {name!r}")

@@ -21,7 +21,8 @@ PARSER_FORMATS = {"kimi_k3": "k3", "kimi_k2": "k2"}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model", help="a preset (e.g. 'tiny') or a checkpoint folder")
+    parser.add_argument("model", nargs="?", default="tiny",
+                        help="a preset (default: 'tiny', the shipped trained model) or a checkpoint folder")
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     http.add_argument("--port", type=int, default=8000)
@@ -40,12 +41,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-parser", choices=sorted(PARSER_FORMATS), default=None)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
-    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help="most sequences in one step (default: 16 on CPU, 128 on GPU)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step, the chunked-prefill budget (default: 256 CPU, 4096 GPU)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share MLA pages and restore KDA checkpoints across requests (default: on)")
     engine.add_argument("--prefix-cache-retention-interval", type=int, default=0,
-                        help="tokens between retained KDA-state checkpoints (0: block boundaries only)")
-    engine.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default="auto")
+                        help="also checkpoint KDA state every this many tokens (0: prompt ends and shared-prefix "
+                             "junctions only)")
+    engine.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="MLA page dtype (auto: the model's); an fp8 cache exists at the kernel level only")
+    engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     return parser
 

@@ -1,0 +1,168 @@
+"""AsyncEngine: the LLMEngine loop on a background thread, behind the asyncio interface the HTTP server uses.
+
+The engine thread owns the LLMEngine: it drains the commands posted by coroutines (add, abort), runs
+``step()`` while there is work (sleeping on an event otherwise) and hands each RequestOutput to the event loop
+of the coroutine that asked for it (``call_soon_threadsafe`` into a per-request asyncio.Queue). JAX work and
+output processing therefore never block the event loop, and a slow client never stalls the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from serve.engine.engine import EngineStats, LLMEngine
+from serve.engine.outputs import RequestOutput
+from serve.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an exception in a step, or shutdown); no request can make progress."""
+
+
+class AsyncEngine:
+    """Shared interface: ``generate``, ``abort``, ``stats``, ``tokenizer``, ``model_config``, ``max_model_len``.
+
+    Args:
+      engine: the LLMEngine to drive (only the engine thread touches it after construction).
+      idle_wait_s: longest sleep of an idle loop before it looks for commands again.
+    """
+
+    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.1):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        self._idle_wait_s = idle_wait_s
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = engine.stats()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kimi-jax-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model, **kwargs) -> "AsyncEngine":
+        """``LLMEngine.from_pretrained(model, **kwargs)`` driven by a new AsyncEngine."""
+        return cls(LLMEngine.from_pretrained(model, **kwargs))
+
+    # ---- coroutine side ----
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request (cumulative), one per engine step that changed it; the last has
+        ``finished=True``. Leaving the iteration early aborts the request. Bad requests raise ValueError."""
+        self._check_alive()
+        self.engine.validate_request(prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._post(("add", request_id, list(prompt_token_ids), params, time.monotonic()))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._post(("abort", request_id))
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """End a request; its stream yields a last output with finish_reason "abort"."""
+        self._post(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The counters as of the last engine step (safe from any thread)."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; open streams raise EngineDeadError."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._fail(EngineDeadError("the engine was shut down"))
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _post(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._error
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._stats = engine.stats()
+                    for output in outputs:
+                        self._deliver(output.request_id, output)
+                else:
+                    self._stats = engine.stats()
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # the loop cannot continue: fail every stream rather than hang them
+            self._fail(e)
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add":
+                _, request_id, prompt, params, arrival = command
+                try:
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                except ValueError as e:
+                    self._deliver(request_id, e)
+            else:
+                self.engine.abort_request(command[1])
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed
+            pass
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(request_id, _dead(error))
+
+
+def _dead(error: BaseException) -> EngineDeadError:
+    if isinstance(error, EngineDeadError):
+        return error
+    dead = EngineDeadError(f"the engine loop stopped: {error!r}")
+    dead.__cause__ = error
+    return dead

@@ -1,0 +1,128 @@
+"""Decode throughput and host overhead of the engine on a random model of a preset's shape (benchmark).
+
+For each batch size B: B requests with random prompts are prefilled, then (all of them decoding) K engine
+steps are timed. Reported per step: engine wall time, device time of the same compiled step launched back to
+back with no host work (``ModelRunner.time_step``), the serial host work that leaves the device idle
+(update + schedule + launch) and the host work overlapped with the device (output processing), plus the
+roofline: bytes a decode step must read (active weights, KDA state read + write, MLA latents) over the copy
+bandwidth.
+
+    PYTHONPATH=. python3 -m serve.engine.bench_decode --preset kimi-linear-48b --layers 4 --impl reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (spec SERVING.md 4.1)
+
+
+def active_bytes(runner, batch: int, context: int) -> float:
+    """Bytes one decode step of ``batch`` sequences of ``context`` tokens reads (expected distinct experts)."""
+    cfg = runner.model_config
+    sizes = dict(zip(runner.param_names, (p.nbytes for p in runner.params)))
+    total = sum(sizes.values())
+    expert = sum(b for name, b in sizes.items() if "moe" in name and any(w in name for w in ("'w1", "'w2", "'w3")))
+    embed = sum(b for name, b in sizes.items() if "'embed'" in name)
+    touched = 1.0 - (1.0 - cfg.num_experts_per_token / max(cfg.num_experts, 1)) ** batch
+    weights = total - expert - embed + batch * embed / cfg.vocab_size + expert * touched
+    plan = runner.plan
+    state = 2 * batch * plan.bytes_per_slot
+    latents = batch * context * plan.bytes_per_block / plan.block_size
+    return weights + state + latents
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="kimi-linear-48b")
+    parser.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--impl", default="reference")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--memory-gib", type=float, default=4.0)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from kimi_jax.model import KimiModel
+    from kimi_jax.presets import get_preset
+    from serve.engine.config import EngineConfig
+    from serve.engine.engine import LLMEngine
+    from serve.engine.runner import ModelRunner
+    from serve.engine.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    full = get_preset(args.preset)
+    n = args.layers
+    cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n])
+    model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    max_batch = max(args.batches)
+    decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2
+    max_model_len = args.prompt_len + decode_tokens + 16
+    runner = ModelRunner(model, EngineConfig(
+        max_model_len=max_model_len, max_num_seqs=max_batch, max_num_batched_tokens=args.prefill_chunk,
+        block_size=16, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,),
+        seq_buckets=tuple(args.batches), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
+        compile_threads=8), impl=args.impl)
+    setup = time.perf_counter() - start
+    print(f"{jax.devices()[0].device_kind}: {args.preset} x {n} layers {cfg.layer_types}, "
+          f"{sum(p.nbytes for p in runner.params) / 1e9:.2f} GB params; setup {setup:.1f}s "
+          f"(warm-up {runner.warm_up_seconds:.1f}s, {runner.num_executables} executables)", flush=True)
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in args.batches:
+        engine = LLMEngine(runner, config=EngineConfig(max_num_seqs=batch, max_num_batched_tokens=args.prefill_chunk,
+                                                       enable_prefix_caching=False))
+        params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"b{batch}-{i}", rng.integers(0, cfg.vocab_size, args.prompt_len).tolist(), params)
+        requests = [engine.scheduler.requests[f"b{batch}-{i}"] for i in range(batch)]
+        while not all(r.num_output_tokens >= 2 for r in requests):  # prefill done, every request decoding
+            engine.step()
+        engine.step()
+        timings = []
+        t0 = time.perf_counter()
+        for _ in range(args.decode_steps):
+            engine.step()
+            timings.append(engine.last_timing)
+        wall = (time.perf_counter() - t0) / args.decode_steps
+        device = runner.time_step(args.decode_steps)
+        context = int(np.mean([r.num_tokens for r in requests]))
+        roof = active_bytes(runner, batch, context) / COPY_BANDWIDTH
+        serial = float(np.mean([t.update + t.schedule + t.launch for t in timings]))
+        overlapped = float(np.mean([t.process for t in timings]))
+        rows.append(dict(batch=batch, tokens_per_s=batch / wall, step_ms=wall * 1e3, device_ms=device * 1e3,
+                         host_serial_ms=serial * 1e3, host_overlapped_ms=overlapped * 1e3,
+                         host_overhead=max(0.0, wall - device) / wall, roofline_ms=roof * 1e3,
+                         roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall))
+        print(json.dumps(rows[-1]), flush=True)
+        for r in requests:
+            engine.abort_request(r.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    print("\n| batch | decode tok/s | step ms | device ms | host serial ms | host overlapped ms | host overhead "
+          "| roofline ms | % of roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | "
+              f"{r['host_serial_ms']:.2f} | {r['host_overlapped_ms']:.2f} | {r['host_overhead']:.1%} | "
+              f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} |")
+    with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+        json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""EngineConfig: every engine setting (scheduling, cache pools, buckets, sampling limits, test mode).
+
+Fields left ``None`` take a default that depends on the platform and the model; ``resolve()`` fills them in
+and validates everything, raising ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from serve.engine.buckets import Buckets, default_buckets
+from serve.engine.sampling_params import MAX_LOGPROBS
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+CPU_MEMORY_BUDGET = 64 << 20
+"""Default cache budget on CPU (both pools together)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. ``None`` = platform default (CPU / GPU):
+
+    max_model_len              prompt + output tokens per request (min(model limit, 2048 / 32768))
+    max_num_seqs               sequences per step (16 / 128)
+    max_num_batched_tokens     tokens per step, the chunked-prefill budget (256 / 4096)
+    block_size                 tokens per MLA page, the prefix-match unit
+    enable_prefix_caching      share pages and restore KDA checkpoints (on by default)
+    prefix_cache_retention_interval   also checkpoint KDA state every this many tokens (0 = prompt ends only)
+    max_checkpoints_per_seq    checkpoint exports one sequence may do in one step (static width Pc)
+    num_checkpoint_slots       KDA slots beyond the live ones, for checkpoints (max_num_seqs with prefix caching)
+    num_blocks_override        use only this many MLA pages (incl. the reserved one), e.g. to force preemption
+    kv_cache_dtype             MLA page dtype: "auto" (the model's), "bfloat16" or "float32"
+    memory_budget_bytes        bytes for both pools (CPU: 64 MiB; GPU: gpu_memory_utilization of the device
+                               limit minus what is in use after the weights, minus activation_reserve_bytes)
+    token_buckets / seq_buckets / page_buckets   precompiled T / N / P sizes (``buckets.default_buckets``)
+    max_logprobs               most top logprobs a request may ask for (computed on device when asked)
+    seed                       draws the seeds of requests that do not set one
+    test_mode                  fill freed pages and slots with NaN so that a stale read shows up
+    compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
+    """
+
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_cache_retention_interval: int = 0
+    max_checkpoints_per_seq: int = 4
+    num_checkpoint_slots: int | None = None
+    num_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    memory_budget_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_bytes: int = 4 << 30
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+    max_logprobs: int = MAX_LOGPROBS
+    seed: int = 0
+    test_mode: bool = False
+    compile_threads: int | None = None
+
+    @property
+    def max_pages(self) -> int:
+        """Block-table width of a full-length request."""
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def buckets(self) -> Buckets:
+        return Buckets(self.token_buckets, self.seq_buckets, self.page_buckets)
+
+    def resolve(self, model_config, *, gpu: bool) -> "EngineConfig":
+        """A copy with every ``None`` filled in for ``model_config`` (a ModelConfig) on this platform, validated."""
+        max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 32768 if gpu else 2048)
+        max_num_seqs = self.max_num_seqs or (128 if gpu else 16)
+        max_tokens = self.max_num_batched_tokens or max(4096 if gpu else 256, max_num_seqs)
+        cfg = dataclasses.replace(
+            self, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+            num_checkpoint_slots=(self.num_checkpoint_slots if self.num_checkpoint_slots is not None
+                                  else max_num_seqs if self.enable_prefix_caching else 0),
+            compile_threads=self.compile_threads or 0)
+        cfg._validate_scalars(model_config)
+        defaults = default_buckets(max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs,
+                                   max_pages=cfg.max_pages, gpu=gpu)
+        cfg = dataclasses.replace(cfg, token_buckets=tuple(self.token_buckets or defaults.tokens),
+                                  seq_buckets=tuple(self.seq_buckets or defaults.seqs),
+                                  page_buckets=tuple(self.page_buckets or defaults.pages))
+        cfg.validate(model_config)
+        return cfg
+
+    def validate(self, model_config) -> None:
+        """Raise ValueError naming the first bad field (every field must be resolved)."""
+        self._validate_scalars(model_config)
+        try:
+            self.buckets.check_covers(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs, max_pages=self.max_pages)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig buckets: {e}") from None
+
+    def _validate_scalars(self, model_config) -> None:
+        _require(self.max_model_len >= 2, "max_model_len", f"must be >= 2, got {self.max_model_len}")
+        _require(self.max_model_len <= model_config.max_position_embeddings, "max_model_len",
+                 f"{self.max_model_len} exceeds the model's limit {model_config.max_position_embeddings}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                 f"({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})")
+        _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _require(self.prefix_cache_retention_interval >= 0, "prefix_cache_retention_interval",
+                 f"must be >= 0, got {self.prefix_cache_retention_interval}")
+        _require(self.max_checkpoints_per_seq >= 1, "max_checkpoints_per_seq",
+                 f"must be >= 1, got {self.max_checkpoints_per_seq}")
+        _require(self.num_checkpoint_slots >= 0, "num_checkpoint_slots",
+                 f"must be >= 0, got {self.num_checkpoint_slots}")
+        _require(self.num_blocks_override is None or self.num_blocks_override >= 2, "num_blocks_override",
+                 f"must be None or >= 2, got {self.num_blocks_override}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES} (fp8 pages are not supported by the model forward yet), "
+                 f"got {self.kv_cache_dtype!r}")
+        _require(self.memory_budget_bytes is None or self.memory_budget_bytes > 0, "memory_budget_bytes",
+                 f"must be None or > 0, got {self.memory_budget_bytes}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(0 <= self.max_logprobs <= MAX_LOGPROBS, "max_logprobs",
+                 f"must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        _require(self.compile_threads >= 0, "compile_threads", f"must be >= 0, got {self.compile_threads}")
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field} {message}")

@@ -1,0 +1,418 @@
+"""LLMEngine: the synchronous serving loop (add_request / step / abort_request) and its output processing.
+
+One ``step()``:
+1. waits for the step launched by the previous call and feeds its sampled tokens to the scheduler
+   (``update_from_output``: tokens appended, EOS / stop ids / max_tokens / max_model_len applied);
+2. schedules and launches the next step (``ModelRunner.execute`` queues it on the device);
+3. while the device runs, does the output processing of the tokens of 1 (incremental detokenisation, stop
+   strings, n > 1 aggregation, RequestOutput building) and returns those outputs.
+So the host work of 3 (and the return to the caller, and whatever the caller does before calling step()
+again, such as streaming to clients) overlaps the device's next step. Phases 1-2 (update, schedule, input
+building, launch) cannot overlap the device: the scheduler needs step n's tokens to plan step n+1, so the
+device idles for their duration (``StepTiming``; removing that needs scheduling ahead with placeholder
+tokens). A request that a stop string ends in 3 is already part of the step in flight; the scheduler drops
+that step's token for it (and, since the step may still write its slot, does not keep its final state as a
+prefix-cache checkpoint).
+
+n > 1: the request becomes n scheduler requests (``request_id``, ``request_id#1``, ...) with seeds
+``seed + i``; the later ones wait for the first one's prompt and resume from its prompt-end checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from typing import Sequence
+
+import numpy as np
+
+from serve.engine.cache_manager import CacheConfig
+from serve.engine.config import EngineConfig
+from serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serve.engine.request import Request, RequestStatus
+from serve.engine.runner import ModelRunner
+from serve.engine.sampling_params import SamplingParams, TokenConstraint
+from serve.engine.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Gauges and counters for /metrics (the shared AsyncEngine interface). Token counts are totals."""
+
+    num_running: int
+    num_waiting: int
+    cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """Host seconds of the phases of one ``step()`` (``wait`` = blocked on the device)."""
+
+    wait: float = 0.0
+    update: float = 0.0
+    schedule: float = 0.0
+    launch: float = 0.0
+    process: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return self.update + self.schedule + self.launch + self.process
+
+
+class _Completion:
+    """Output state of one scheduler request (one of the n completions of a user request)."""
+
+    def __init__(self, request: Request, index: int, tokenizer):
+        self.request = request
+        self.index = index
+        self.text = ""
+        self.num_processed = 0
+        self.finish_reason: str | None = None  # set when a stop string ended it
+        self.stop_reason: str | int | None = None
+        self.detokenizer = None
+        if tokenizer is not None:
+            from kimi_jax.tokenizer import IncrementalDetokenizer
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer, skip_special_tokens=request.sampling_params.skip_special_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.request.is_finished
+
+    def output(self) -> CompletionOutput:
+        r = self.request
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(r.output_token_ids),
+            logprobs=None if r.output_logprobs is None else list(r.output_logprobs),
+            cumulative_logprob=r.cumulative_logprob, finish_reason=self.finish_reason or r.finish_reason,
+            stop_reason=self.stop_reason if self.finish_reason else r.stop_reason)
+
+
+class _UserRequest:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], completions: list[_Completion]):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.completions = completions
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        requests = [c.request for c in self.completions]
+        first = [r.first_token_time for r in requests if r.first_token_time is not None]
+        done = [r.finished_time for r in requests if r.finished_time is not None]
+        finished = self.finished
+        metrics = RequestMetrics(arrival_time=requests[0].arrival_time, first_token_time=min(first, default=None),
+                                 finished_time=max(done, default=None) if finished else None,
+                                 num_cached_tokens=requests[0].num_cached_tokens)
+        return RequestOutput(self.request_id, list(self.prompt_token_ids), [c.output() for c in self.completions],
+                             finished, metrics)
+
+
+class _PaddedConstraint:
+    """A TokenConstraint whose bitmask is narrower than the model's vocabulary: extra ids are disallowed."""
+
+    def __init__(self, inner: TokenConstraint, num_words: int):
+        self._inner = inner
+        self._num_words = num_words
+
+    def allowed_token_bitmask(self) -> np.ndarray:
+        mask = np.zeros(self._num_words, np.int32)
+        inner = np.asarray(self._inner.allowed_token_bitmask(), np.int32)[:self._num_words]
+        mask[:len(inner)] = inner
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self._inner.advance(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._inner.is_terminated()
+
+
+class LLMEngine:
+    """Continuous batching over one ModelRunner.
+
+    Args:
+      runner: the device side (parameters, pools, compiled buckets).
+      tokenizer: a kimi_jax Tokenizer for text output and stop strings, or None (token ids only).
+      config: scheduling settings for this engine (default ``runner.config``). Only ``max_model_len``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
+        ``prefix_cache_retention_interval``, ``max_checkpoints_per_seq``, ``num_blocks_override`` and ``seed``
+        are read; they must fit what the runner compiled (buckets, checkpoint width); block size, pools,
+        buckets, dtypes and test mode are the runner's.
+    """
+
+    def __init__(self, runner: ModelRunner, *, tokenizer=None, config: EngineConfig | None = None):
+        cfg = runner.config if config is None else _scheduling_config(config, runner)
+        self.runner = runner
+        self.config = cfg
+        self.tokenizer = tokenizer
+        self.model_config = runner.model_config
+        if tokenizer is not None and tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only "
+                             f"{self.model_config.vocab_size}")
+        if tokenizer is not None:
+            self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        else:
+            eos = self.model_config.eos_token_id
+            self.eos_token_ids = () if eos is None else (eos,)
+        num_blocks = min(runner.num_blocks, cfg.num_blocks_override or runner.num_blocks)
+        cache_config = CacheConfig(
+            block_size=cfg.block_size, num_blocks=num_blocks, num_slots=runner.num_slots,
+            enable_prefix_caching=cfg.enable_prefix_caching, retention_interval=cfg.prefix_cache_retention_interval,
+            max_checkpoints_per_seq=cfg.max_checkpoints_per_seq, bytes_per_block=runner.plan.bytes_per_block,
+            bytes_per_slot=runner.plan.bytes_per_slot)
+        self.scheduler = Scheduler(SchedulerConfig(max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                                   max_num_batched_tokens=cfg.max_num_batched_tokens), cache_config)
+        self._rng = random.Random(cfg.seed)
+        self._requests: dict[str, _UserRequest] = {}
+        self._completion_of: dict[str, _Completion] = {}
+        self._owner: dict[str, _UserRequest] = {}
+        self._aborted: list[str] = []
+        self._in_flight = None
+        self.last_timing = StepTiming()
+
+    @classmethod
+    def from_pretrained(cls, model, *, tokenizer="auto", dtype="auto", seed: int = 0, impl: str | None = None,
+                        mesh=None, **engine_args) -> "LLMEngine":
+        """Build model, runner and engine. ``model``: preset name, checkpoint folder, KimiLM or KimiModel;
+        ``tokenizer``: "auto" (the preset's / folder's, if any), a preset name or folder, a Tokenizer, or None;
+        ``dtype``: parameter dtype ("auto": float32 on CPU, bfloat16 on GPU); ``engine_args``: EngineConfig fields.
+        """
+        from kimi_jax.api import load
+
+        config = EngineConfig(**engine_args)
+        if isinstance(model, str):
+            if dtype == "auto":
+                from pallas_kernels.impl import on_gpu
+                dtype = "bfloat16" if on_gpu() else "float32"
+            lm = load(model, dtype, seed=seed, impl=impl)
+        else:
+            lm = model
+        return cls(ModelRunner(lm, config, mesh=mesh, impl=impl), tokenizer=_resolve_tokenizer(tokenizer, model))
+
+    # ---- requests ----
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the problem) for a request this engine cannot serve."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate with "
+                             f"max_model_len={self.max_model_len}")
+        if params.logprobs is not None and params.logprobs > self.runner.config.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs {params.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.runner.config.max_logprobs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer (this engine has none)")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> None:
+        """Queue a request; its outputs come from later ``step()`` calls."""
+        params = params or SamplingParams()
+        self.validate_request(prompt_token_ids, params)
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        clash = [i for i in ids if i in self._completion_of or i in self._requests]
+        if clash:
+            raise ValueError(f"request id {clash[0]!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        words = -(-self.model_config.vocab_size // 32)
+        completions, parent = [], None
+        for index, child_id in enumerate(ids):
+            request = Request(child_id, prompt, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival,
+                              seed=(base_seed + index) % (1 << 64), parent=parent)
+            if request.constraint is not None and len(request.constraint.allowed_token_bitmask()) != words:
+                request.constraint = _PaddedConstraint(request.constraint, words)
+            parent = parent or request
+            completions.append(_Completion(request, index, self.tokenizer))
+        user = _UserRequest(request_id, prompt, completions)
+        for completion in completions:
+            self.scheduler.add_request(completion.request)
+            self._completion_of[completion.request.request_id] = completion
+            self._owner[completion.request.request_id] = user
+        self._requests[request_id] = user
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now; its final output (finish_reason "abort") comes from the next ``step()``."""
+        user = self._requests.get(request_id)
+        if user is None:
+            return
+        for completion in user.completions:
+            self.scheduler.abort(completion.request.request_id)
+        self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._in_flight is not None
+
+    def is_idle(self) -> bool:
+        """No request left and no page or slot referenced (the prefix cache may still hold entries)."""
+        return not self.has_unfinished_requests() and self.scheduler.cache.is_idle()
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """Finish the step in flight, launch the next one, and return the outputs of the finished step."""
+        timing = StepTiming()
+        changed: list[Request] = []
+        clock = time.perf_counter()
+        if self._in_flight is not None:
+            out, handle = self._in_flight
+            self._in_flight = None
+            sampled = handle.result()
+            clock, timing.wait = _lap(clock)
+            changed = self.scheduler.update_from_output(out, sampled)
+            clock, timing.update = _lap(clock)
+        if self.scheduler.has_unfinished_requests():
+            out = self.scheduler.schedule()
+            clock, timing.schedule = _lap(clock)
+            handle = self.runner.execute(out)
+            if out.sequences:
+                self._in_flight = (out, handle)
+            else:
+                self.scheduler.update_from_output(out, handle.result())
+            clock, timing.launch = _lap(clock)
+        outputs = self._process(changed)
+        _, timing.process = _lap(clock)
+        self.last_timing = timing
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, cache_usage=s.cache_usage,
+                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                           num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
+                           generation_tokens=s.generation_tokens)
+
+    # ---- output processing ----
+    def _process(self, changed: list[Request]) -> list[RequestOutput]:
+        touched: dict[str, _UserRequest] = {}
+        for request in changed:
+            completion = self._completion_of.get(request.request_id)
+            if completion is None:
+                continue
+            self._advance(completion)
+            user = self._owner[request.request_id]
+            touched[user.request_id] = user
+        for request_id in self._aborted:
+            if request_id in self._requests:
+                touched[request_id] = self._requests[request_id]
+        self._aborted = []
+        outputs = []
+        for user in touched.values():
+            outputs.append(user.output())
+            if outputs[-1].finished:
+                self._forget(user)
+        return outputs
+
+    def _advance(self, completion: _Completion) -> None:
+        """Detokenise the completion's new tokens and apply stop strings."""
+        request = completion.request
+        tokens = request.output_token_ids
+        new = tokens[completion.num_processed:]
+        completion.num_processed = len(tokens)
+        if completion.detokenizer is None or completion.finish_reason is not None:
+            return
+        params = request.sampling_params
+        hide_last = (_ended_by_stop_token(request) and not params.include_stop_str_in_output)
+        for i, token in enumerate(new):
+            if hide_last and i == len(new) - 1:
+                break
+            before = len(completion.text)
+            completion.text += completion.detokenizer.add(token)
+            if params.stop and self._apply_stop_strings(completion, before):
+                return
+        if request.is_finished:
+            completion.text += completion.detokenizer.flush()
+
+    def _apply_stop_strings(self, completion: _Completion, before: int) -> bool:
+        """End the completion at the first stop string that the text from ``before`` on completes."""
+        params = completion.request.sampling_params
+        text = completion.text
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, before - longest + 1)
+        found = [(text.find(s, search_from), s) for s in params.stop]
+        found = [(at, s) for at, s in found if at >= 0]
+        if not found:
+            return False
+        at, stop = min(found, key=lambda f: (f[0], -len(f[1])))
+        completion.text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        completion.finish_reason, completion.stop_reason = "stop", stop
+        request = completion.request
+        if not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        return True
+
+    def _forget(self, user: _UserRequest) -> None:
+        for completion in user.completions:
+            request = completion.request
+            if not request.is_finished:  # ended by a stop string while its siblings finished: nothing to keep
+                self.scheduler.abort(request.request_id)
+            self._completion_of.pop(request.request_id, None)
+            self._owner.pop(request.request_id, None)
+        self._requests.pop(user.request_id, None)
+
+
+def _ended_by_stop_token(request: Request) -> bool:
+    """Finished on EOS or a stop token id (whose text is not part of the output)."""
+    if request.status != RequestStatus.FINISHED_STOPPED or not request.output_token_ids:
+        return False
+    if isinstance(request.stop_reason, int):
+        return True
+    last = request.output_token_ids[-1]
+    return (request.stop_reason is None and not request.sampling_params.ignore_eos
+            and last in request.eos_token_ids)
+
+
+def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfig:
+    """``config``'s scheduling fields on top of the runner's settings, checked against what it compiled."""
+    base = runner.config
+    cfg = dataclasses.replace(
+        base, max_model_len=config.max_model_len or base.max_model_len,
+        max_num_seqs=config.max_num_seqs or base.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens or base.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        max_checkpoints_per_seq=config.max_checkpoints_per_seq, num_blocks_override=config.num_blocks_override,
+        seed=config.seed)
+    cfg.validate(runner.model_config)
+    if cfg.max_model_len > base.max_model_len:
+        raise ValueError(f"EngineConfig.max_model_len {cfg.max_model_len} exceeds the runner's {base.max_model_len}")
+    if cfg.max_checkpoints_per_seq > base.max_checkpoints_per_seq:
+        raise ValueError(f"EngineConfig.max_checkpoints_per_seq {cfg.max_checkpoints_per_seq} exceeds the "
+                         f"runner's compiled width {base.max_checkpoints_per_seq}")
+    return cfg
+
+
+def _resolve_tokenizer(tokenizer, model):
+    if tokenizer is None or not isinstance(tokenizer, str):
+        return tokenizer
+    if tokenizer != "auto":
+        from kimi_jax.tokenizer import load_tokenizer
+        return load_tokenizer(tokenizer)
+    if isinstance(model, str) and (model in ("tiny", "tiny-k2")
+                                   or os.path.exists(os.path.join(model, "tiktoken.model"))):
+        from kimi_jax.tokenizer import load_tokenizer
+        return load_tokenizer(model)
+    return None
+
+
+def _lap(start: float) -> tuple[float, float]:
+    now = time.perf_counter()
+    return now, now - start

@@ -1,0 +1,387 @@
+"""The device side of the engine: parameters and cache pools on a mesh, one precompiled step per bucket.
+
+A step (``ModelRunner.execute``) turns a ``SchedulerOutput`` into padded numpy arrays (a ``StepBatch``:
+the packed ``StepInputs`` plus per-row ``SamplingTensors``), packs the small ones into one int32 buffer
+(``step_batch.py``), sends it in one ``device_put`` and launches the bucket's ahead-of-time compiled
+executable (steps where every sequence decodes one token take the model's ``decode_only`` path, see
+``buckets.py``): model forward over the paged hybrid cache -> logits of each sequence's last row -> grammar
+bitmask / penalties / sampling / top logprobs, each behind a ``lax.cond`` on a flag, so steps that do not use
+a stage skip it (greedy-only steps take the argmax instead of the sampler's vocabulary sort). The cache is
+donated, so pages and slots update in place. ``execute`` returns a ``StepHandle`` with the copy of the
+sampled token ids to the host already queued; only token ids (and logprobs when a row asked for them) ever
+cross to the host. The launch is meant to return before the device finishes; on the H200 with
+impl="reference" it was measured to take about as long as the device step, most likely because XLA GPU
+runs ``while`` loops (the reference KDA / MLA ops) and conditionals by reading their predicates on the host.
+
+Before the forward, the runner applies the scheduler's cache copies (copy-on-write pages, checkpoint
+restores) and, in test mode, fills freed pages and slots with NaN; both are separate small executables
+dispatched only when there is work for them.
+
+Every executable is compiled at warm-up (``warm_up``); calling a compiled executable never traces or
+compiles, and ``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
+
+Placement: parameters, caches and step inputs carry ``NamedSharding``s of ``mesh`` (one device by default,
+everything replicated), so tensor / expert parallelism is a change of partition specs, not of this code.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from functools import partial
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kimi_jax.api import KimiLM
+from kimi_jax.model import KimiModel, compute_logits, forward
+from kimi_jax.step import HybridCache, StepInputs, init_cache
+from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig
+from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
+from serve.engine.outputs import SampledTokens
+from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
+from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, join, pack, split, unpack
+
+MESH_AXES = ("data", "tensor", "expert")
+COPY_CHUNK = 16
+"""Copies (and poisoned ids) handled per launch of the copy (poison) executable."""
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+_compile_count = 0
+
+
+def _count_compiles(event: str, duration_secs: float, **kwargs) -> None:
+    global _compile_count
+    if event == _BACKEND_COMPILE_EVENT:
+        _compile_count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def backend_compile_count() -> int:
+    """XLA backend compilations in this process so far: every jit, eager op or AOT compile counts, hits of the
+    persistent compilation cache included (the event wraps ``compile_or_get_cached``)."""
+    return _compile_count
+
+
+def single_device_mesh(device: jax.Device | None = None) -> Mesh:
+    """A 1x1x1 mesh over ``device`` (default: the first device) with the axes later sharding uses."""
+    device = device or jax.devices()[0]
+    return Mesh(np.asarray([device]).reshape(1, 1, 1), MESH_AXES)
+
+
+def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, params, cache, words, optional):
+    """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays):
+    -> (SampledTokens of every row [N], new cache)."""
+    batch = join(unpack(words, layout), optional)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    hidden, cache = forward(model, cache, batch.step, impl=impl)
+    logits = compute_logits(model, hidden)  # [N, vocab] f32
+    s = batch.sampling
+    logits = jax.lax.cond(batch.use_bitmask, lambda x: apply_bitmask(x, s.allowed_bitmask), lambda x: x, logits)
+    logits = jax.lax.cond(batch.use_penalties, lambda x: apply_penalties(x, s), lambda x: x, logits)
+    plain = dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING))
+    # bitmask and penalties are applied above, in the sampler's order; all-greedy steps skip its vocabulary sort
+    sampled = jax.lax.cond(batch.use_sampling, lambda x: sample(x, plain), _greedy, logits)
+    if num_top_logprobs:
+        rows = logits.shape[0]
+
+        def top(x):
+            lps, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), num_top_logprobs)
+            return lps, ids.astype(jnp.int32)
+
+        def skip(x):
+            return jnp.zeros((rows, num_top_logprobs), jnp.float32), jnp.zeros((rows, num_top_logprobs), jnp.int32)
+
+        top_lps, top_ids = jax.lax.cond(batch.want_top_logprobs, top, skip, logits)
+        sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids, top_lps)
+    return sampled, cache
+
+
+def _greedy(logits: jax.Array) -> SampledTokens:
+    """What ``sample`` returns when every row is greedy (argmax and its log-probability), without the sort."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    empty = jnp.zeros((logits.shape[0], 0))
+    return SampledTokens(tokens, logprobs, empty.astype(jnp.int32), empty.astype(jnp.float32))
+
+
+def _copy_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> HybridCache:
+    """blocks, slots [2, C] (source row, destination row; (0, 0) = padding): copy whole MLA pages in every MLA
+    layer and KDA recurrent + conv state in every KDA layer; all sources are read before any write."""
+    return HybridCache(mla=cache.mla.at[:, blocks[1]].set(cache.mla[:, blocks[0]]),
+                       kda_state=cache.kda_state.at[:, slots[1]].set(cache.kda_state[:, slots[0]]),
+                       kda_conv=cache.kda_conv.at[:, slots[1]].set(cache.kda_conv[:, slots[0]]))
+
+
+def _poison_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> HybridCache:
+    """Fill pages ``blocks [C]`` and slots ``slots [C]`` with NaN (out-of-range ids = padding, dropped)."""
+    nan = jnp.nan
+    return HybridCache(mla=cache.mla.at[:, blocks].set(nan, mode="drop"),
+                       kda_state=cache.kda_state.at[:, slots].set(nan, mode="drop"),
+                       kda_conv=cache.kda_conv.at[:, slots].set(nan, mode="drop"))
+
+
+class StepHandle:
+    """A launched step. ``result()`` waits for it and returns host SampledTokens with one row per sequence."""
+
+    def __init__(self, sampled: SampledTokens | None, num_rows: int, with_logprobs: bool):
+        self._sampled = sampled
+        self._num_rows = num_rows
+        self._with_logprobs = with_logprobs
+        if sampled is not None:
+            sampled.token_ids.copy_to_host_async()
+            if with_logprobs:
+                for array in (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs):
+                    array.copy_to_host_async()
+
+    def result(self) -> SampledTokens:
+        n = self._num_rows
+        if self._sampled is None:
+            return SampledTokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, 0), np.int32),
+                                 np.zeros((0, 0), np.float32))
+        token_ids = np.asarray(self._sampled.token_ids)[:n]
+        if not self._with_logprobs:
+            return SampledTokens(token_ids, np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
+                                 np.zeros((n, 0), np.float32))
+        s = self._sampled
+        return SampledTokens(token_ids, np.asarray(s.logprobs)[:n], np.asarray(s.top_token_ids)[:n],
+                             np.asarray(s.top_logprobs)[:n])
+
+
+class ModelRunner:
+    """Parameters, the two cache pools and the compiled steps of one model on one mesh.
+
+    Args:
+      model: a KimiModel or KimiLM (its ``impl`` is used unless ``impl`` is given).
+      config: engine settings; resolved here for the model and platform (``self.config``).
+      mesh: placement (default ``single_device_mesh()``).
+      impl: op implementation passed to the forward (None = backend default).
+      param_spec: maps a parameter's path (tuple of keys) to its PartitionSpec (default: replicated).
+      warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
+    """
+
+    def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
+                 impl: str | None = None, param_spec: Callable[[tuple], PartitionSpec] | None = None,
+                 warm_up: bool = True):
+        if isinstance(model, KimiLM):
+            impl = impl if impl is not None else model.impl
+            model = model.model
+        self.model_config = model.config
+        self.mesh = mesh or single_device_mesh()
+        self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
+        self.config = config.resolve(model.config, gpu=self.on_gpu)
+        self.impl = impl
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        graphdef, state = nnx.split(model)
+        paths_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
+        spec = param_spec or (lambda path: PartitionSpec())
+        self.params = [jax.device_put(leaf, NamedSharding(self.mesh, spec(path))) for path, leaf in paths_leaves]
+        self.param_names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
+        self._graphdef = graphdef
+        self.vocab_size = model.config.vocab_size
+        self.kv_dtype = model.dtype if self.config.kv_cache_dtype == "auto" else jnp.dtype(self.config.kv_cache_dtype)
+        self.plan = self._plan_pools()
+        self.cache = self._zero_cache()
+        self.penalty_width = min(self.config.max_model_len, self.vocab_size)
+        self.buckets = self.config.buckets
+        self._neutral: dict[int, dict[str, jax.Array]] = {}
+        self._steps: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
+        self._layouts: dict[tuple[int, int, int, bool], PackedLayout] = {}
+        self._copy = self._poison = None
+        self._last_launch = None
+        self.warm_up_seconds = 0.0
+        if warm_up:
+            self.warm_up()
+
+    # ---- pools ----
+    @property
+    def num_blocks(self) -> int:
+        return self.plan.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.plan.num_slots
+
+    def _plan_pools(self) -> PoolPlan:
+        cfg = self.config
+        dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize)
+        budget = cfg.memory_budget_bytes or (self._device_budget() if self.on_gpu else CPU_MEMORY_BUDGET)
+        plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                         num_checkpoint_slots=cfg.num_checkpoint_slots)
+        plan = plan_pools(budget, dims, **plan_args)
+        if cfg.num_blocks_override is not None and cfg.num_blocks_override < plan.num_blocks:
+            budget = cfg.num_blocks_override * plan.bytes_per_block + plan.num_slots * plan.bytes_per_slot
+            plan = plan_pools(budget, dims, **plan_args)
+        return plan
+
+    def _device_budget(self) -> int:
+        """Bytes left for the pools on the first device after the weights: utilisation share minus reserve."""
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        in_use = stats.get("bytes_in_use", 0)
+        budget = int(limit * self.config.gpu_memory_utilization) - in_use - self.config.activation_reserve_bytes
+        if budget <= 0:
+            raise ValueError(f"no device memory left for the cache pools (limit {limit} B, in use {in_use} B, "
+                             f"reserve {self.config.activation_reserve_bytes} B); set memory_budget_bytes")
+        return budget
+
+    def _zero_cache(self) -> HybridCache:
+        make = partial(init_cache, self.model_config, num_blocks=self.plan.num_blocks,
+                       block_size=self.config.block_size, num_slots=self.plan.num_slots, dtype=self.kv_dtype)
+        return jax.jit(make, out_shardings=self.replicated)()
+
+    # ---- compilation ----
+    def warm_up(self) -> None:
+        """Compile the step of every bucket, the copy executable and (test mode) the poison executable."""
+        start = time.perf_counter()
+        cfg = self.config
+        lowered = {}
+        for shape in self.buckets.shapes():
+            small, optional = split(self._abstract_batch(*shape))
+            layout = self._layouts[shape] = PackedLayout.of(small)
+            words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
+            step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
+                                      layout), donate_argnums=(1,))
+            lowered[shape] = step_fn.lower(self.params, self.cache, words, optional)
+        pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
+        ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
+        lowered["copy"] = jax.jit(_copy_entries, donate_argnums=(0,)).lower(self.cache, pairs, pairs)
+        if cfg.test_mode:
+            lowered["poison"] = jax.jit(_poison_entries, donate_argnums=(0,)).lower(self.cache, ids, ids)
+        threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())))
+        self._copy = compiled.pop("copy")
+        self._poison = compiled.pop("poison", None)
+        self._steps = compiled
+        self.warm_up_seconds = time.perf_counter() - start
+
+    @property
+    def num_executables(self) -> int:
+        """Executables compiled at warm-up (one step per bucket, copy, poison in test mode)."""
+        return len(self._steps) + (self._copy is not None) + (self._poison is not None)
+
+    # ---- one step ----
+    def execute(self, out: SchedulerOutput) -> StepHandle:
+        """Apply the step's poisoning (test mode) and copies, then launch its forward + sampling (async)."""
+        if not self._steps:
+            raise RuntimeError("ModelRunner.warm_up() has not run")
+        if self._poison is not None:
+            self._launch_poison(out.freed_blocks, out.freed_slots)
+        if out.block_copies or out.slot_copies:
+            self._launch_copies(out.block_copies, out.slot_copies)
+        if not out.sequences:
+            return StepHandle(None, 0, False)
+        batch, with_logprobs = self.build_batch(out.sequences)
+        step = batch.step
+        shape = (step.num_tokens, step.num_seqs, step.block_tables.shape[1], step.decode_only)
+        small, optional = split(batch)
+        words = pack(small)
+        assert words.shape[0] == self._layouts[shape].num_words, shape
+        self._last_launch = (self._steps[shape], jax.device_put((words, optional), self.replicated))
+        sampled, self.cache = self._last_launch[0](self.params, self.cache, *self._last_launch[1])
+        return StepHandle(sampled, len(out.sequences), with_logprobs)
+
+    def time_step(self, repeats: int) -> float:
+        """Device seconds per step of the last launched step, relaunched ``repeats`` times back to back with no
+        host work in between (a benchmark: it advances the KDA state of that step's sequences again)."""
+        executable, args = self._last_launch
+        jax.block_until_ready(self.cache)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            sampled, self.cache = executable(self.params, self.cache, *args)
+        jax.block_until_ready((sampled, self.cache))
+        return (time.perf_counter() - start) / repeats
+
+    def build_batch(self, sequences: Sequence[ScheduledSequence]) -> tuple[StepBatch, bool]:
+        """Padded host arrays for ``sequences`` in the smallest bucket; also whether logprobs must be fetched."""
+        lens = [s.num_tokens for s in sequences]
+        total = sum(lens)
+        decode_only = all(s.num_tokens == 1 and s.context_len > 0 and not s.checkpoint_positions for s in sequences)
+        t, n, p, _ = self.buckets.pick(total, len(sequences), max(len(s.block_table) for s in sequences),
+                                       decode_only=decode_only)
+        step = self._empty_step(t, n, p, decode_only)
+        cu = step.cu_seqlens
+        cu[1:len(lens) + 1] = np.cumsum(lens)
+        cu[len(lens) + 1:] = total
+        step.token_ids[:total] = np.fromiter((tok for s in sequences for tok in s.token_ids), np.int32, total)
+        step.logits_indices[:len(lens)] = cu[1:len(lens) + 1] - 1
+        for i, seq in enumerate(sequences):
+            step.context_lens[i] = seq.context_len
+            step.block_tables[i, :len(seq.block_table)] = seq.block_table
+            step.state_slots[i] = seq.state_slot
+            step.checkpoint_positions[i, :len(seq.checkpoint_positions)] = seq.checkpoint_positions
+            step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
+        rows = [s.request if s.is_sampled else None for s in sequences]
+        sampling = SamplingTensors.from_requests(rows, self.vocab_size, num_rows=n, penalty_width=self.penalty_width)
+        with_logprobs = any(r is not None and r.sampling_params.logprobs is not None for r in rows)
+        want_top = any(r is not None and r.sampling_params.logprobs for r in rows)
+        neutral = self._neutral_sampling(n)
+        sampling = dataclasses.replace(sampling, **{name: neutral[name] for name in OPTIONAL_SAMPLING
+                                                    if getattr(sampling, name) is None})
+        use_sampling = any(r is not None and not r.sampling_params.is_greedy for r in rows)
+        use_bitmask = any(r is not None and r.constraint is not None for r in rows)
+        use_penalties = any(r is not None and r.sampling_params.uses_penalties for r in rows)
+        batch = StepBatch(step, sampling, *map(np.asarray, (use_sampling, use_bitmask, use_penalties, want_top)))
+        return batch, with_logprobs
+
+    def _empty_step(self, t: int, n: int, p: int, decode_only: bool) -> StepInputs:
+        """Bucket-shaped StepInputs of padding only (every sequence empty, block 0, slot 0)."""
+        pc = self.config.max_checkpoints_per_seq
+        return StepInputs(
+            token_ids=np.zeros(t, np.int32), cu_seqlens=np.zeros(n + 1, np.int32),
+            context_lens=np.zeros(n, np.int32), block_tables=np.zeros((n, p), np.int32),
+            state_slots=np.zeros(n, np.int32), logits_indices=np.zeros(n, np.int32),
+            checkpoint_positions=np.full((n, pc), -1, np.int32), checkpoint_slots=np.zeros((n, pc), np.int32),
+            decode_only=decode_only)
+
+    def _abstract_batch(self, t: int, n: int, p: int, decode_only: bool) -> StepBatch:
+        sampling = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
+                                                 always_penalties=True, always_bitmask=True)
+        flag = np.asarray(False)
+        batch = StepBatch(self._empty_step(t, n, p, decode_only), sampling, flag, flag, flag, flag)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), batch)
+
+    def _neutral_sampling(self, n: int) -> dict[str, jax.Array]:
+        """Device-resident penalty and bitmask arrays that change nothing, for steps that do not use them."""
+        if n not in self._neutral:
+            full = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
+                                                 always_penalties=True, always_bitmask=True)
+            self._neutral[n] = {name: jax.device_put(getattr(full, name), self.replicated)
+                                for name in OPTIONAL_SAMPLING}
+        return self._neutral[n]
+
+    def _launch_copies(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
+        for start in range(0, max(len(block_copies), len(slot_copies)), COPY_CHUNK):
+            blocks = _pairs(block_copies[start:start + COPY_CHUNK])
+            slots = _pairs(slot_copies[start:start + COPY_CHUNK])
+            self.cache = self._copy(self.cache, *jax.device_put((blocks, slots), self.replicated))
+
+    def _launch_poison(self, blocks: list[int], slots: list[int]) -> None:
+        for start in range(0, max(len(blocks), len(slots)), COPY_CHUNK):
+            b = _padded_ids(blocks[start:start + COPY_CHUNK], self.num_blocks)
+            s = _padded_ids(slots[start:start + COPY_CHUNK], self.num_slots)
+            self.cache = self._poison(self.cache, *jax.device_put((b, s), self.replicated))
+
+
+def _pairs(copies: list[tuple[int, int]]) -> np.ndarray:
+    """[2, COPY_CHUNK] (source row, destination row), padded with (0, 0)."""
+    out = np.zeros((2, COPY_CHUNK), np.int32)
+    if copies:
+        out[:, :len(copies)] = np.asarray(copies, np.int32).T
+    return out
+
+
+def _padded_ids(ids: list[int], out_of_range: int) -> np.ndarray:
+    out = np.full(COPY_CHUNK, out_of_range, np.int32)
+    out[:len(ids)] = ids
+    return out
