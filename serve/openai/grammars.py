@@ -27,9 +27,16 @@ _XTML_TYPE_OF = {"string": "string", "integer": "number", "number": "number", "b
                  "null": "null", "object": "object", "array": "array"}
 
 
+def _compact(schema: dict) -> dict:
+    """`schema` with fixed `json.dumps`-style separators: no free whitespace for a model to loop on."""
+    options = {"item_separator": ", ", "key_separator": ": ", **schema.get("x-guidance", {}),
+               "whitespace_flexible": False}
+    return {**schema, "x-guidance": options}
+
+
 def json_grammar(schema: dict) -> str:
-    """The whole output is one JSON value matching `schema`, then end of sequence."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    """The whole output is one compact JSON value matching `schema`, then end of sequence."""
+    return llguidance.LLMatcher.grammar_from_json_schema(_compact(schema))
 
 
 def _literal(text: str) -> str:
@@ -37,7 +44,7 @@ def _literal(text: str) -> str:
 
 
 def _json_expr(schema: dict) -> str:
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+    return "%json " + json.dumps(_compact(schema), ensure_ascii=False)
 
 
 def _attr(value: str) -> str:
@@ -49,6 +56,16 @@ def _with_definitions(sub: dict, root: dict) -> dict:
     """`sub` carrying the root schema's `$defs`/`definitions` so its `$ref`s still resolve."""
     extra = {key: root[key] for key in ("$defs", "definitions") if key in root}
     return {**extra, **sub} if extra else sub
+
+
+def _string_value(schema: dict) -> str:
+    """Raw-text grammar of a string argument: its enum literals, else text bounded by maxLength, else any text."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(_literal(v) for v in schema["enum"]) + ")"
+    if isinstance(schema.get("maxLength"), int):
+        low = schema.get("minLength", 0) if isinstance(schema.get("minLength"), int) else 0
+        return f"/(.|\\n){{{low},{schema['maxLength']}}}/"
+    return "TEXT"
 
 
 def _function(tool: dict) -> tuple[str, dict]:
@@ -81,11 +98,13 @@ class K3Grammars:
         return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
 
     def tool_calls(self, tools: list[dict], *, thinking: bool, multiple: bool) -> str:
-        """Free response text, then a tools channel with one call (or one or more with `multiple`) of `tools`."""
+        """An empty response channel, then a tools channel with one call (or one or more with `multiple`) of
+        `tools` (used for tool_choice "required" / named: free text first would let a model talk until
+        max_tokens and never call)."""
         calls = " | ".join(f"call_{i}" for i in range(len(tools)))
         repeat = "+" if multiple else ""
         tools_part = f"{self._start('tools')} ({calls}){repeat} {self._stop('tools')} "
-        rules = self._turn("TEXT", thinking=thinking, tools=tools_part) + [_INDEX_TERMINAL]
+        rules = self._turn("", thinking=thinking, tools=tools_part) + [_INDEX_TERMINAL]
         for i, tool in enumerate(tools):
             rules += self._call_rules(i, *_function(tool))
         return llguidance.LLMatcher.grammar_from_lark("\n".join(rules))
@@ -110,7 +129,7 @@ class K3Grammars:
         types = [xtml_type] if xtml_type else ["string", *_JSON_TYPES]
         forms = []
         for t in types:
-            value = "TEXT" if t == "string" else _json_expr(schema)
+            value = _string_value(schema) if t == "string" else _json_expr(schema)
             forms.append(f'{self._start(f"argument key=\"{_attr(key)}\" type=\"{t}\"")} {value} '
                          f'{self._stop("argument")}')
         return " | ".join(forms)

@@ -93,7 +93,7 @@ def test_json_mask_matches_grammar(k3):
 def test_type_mismatch_is_masked(k3):
     constraint = ConstraintFactory(k3, json_grammar({"type": "object", "properties": {"n": {"type": "integer"}},
                                                      "required": ["n"]}))()
-    feed(constraint, k3, '{"n":')
+    feed(constraint, k3, '{"n": ')  # separators are fixed json.dumps style: ', ' and ': '
     options = allowed(constraint, k3)
     assert k3.encode('"')[0] not in options and k3.encode("7")[0] in options
 
