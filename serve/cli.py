@@ -102,8 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _enable_compile_cache() -> None:
+    """Persist XLA executables across runs (a restart skips the warm-up compiles).
+
+    ``KIMI_JAX_COMPILE_CACHE``: the cache folder (default ``~/.cache/kimi_jax/jit``); empty or "off" disables."""
+    folder = os.environ.get("KIMI_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
+    if folder and folder != "off":
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("generate", "serve"):
+        _enable_compile_cache()
     return args.func(args)
 
 
