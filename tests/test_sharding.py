@@ -1,0 +1,165 @@
+"""Meshes, partition rules, placement and the memory planner.
+
+The sharded forward runs in a subprocess: fake CPU devices must be configured before JAX starts, and this test
+process has already started JAX with one device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from kimi_jax import PRESETS, get_preset
+from kimi_jax.model import KimiModel
+from kimi_jax.weights.loader import param_leaves
+from sharding import MeshShape, fit_spec, make_mesh, param_spec, param_specs, plan_memory
+from sharding.rules import shard_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSTACKED = {"embed", "lm_head", "norm", "attn_res.out_query", "attn_res.out_norm"}
+
+
+def abstract(name: str) -> KimiModel:
+    return nnx.eval_shape(lambda: KimiModel(get_preset(name), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_rules_cover_every_parameter_and_never_split_the_layer_axis(name):
+    for path, var in param_leaves(abstract(name)).items():
+        spec = param_spec(path)
+        assert len(spec) <= var.ndim, (path, spec, var.shape)
+        if path not in UNSTACKED:
+            assert len(spec) == 0 or spec[0] is None, f"{path}: layer axis split by {spec}"
+
+
+def test_unknown_parameter_path_raises():
+    with pytest.raises(ValueError, match="no partition rule for parameter 'kda.new_thing'"):
+        param_spec("kda.new_thing")
+
+
+def test_fit_spec_drops_axes_that_do_not_divide():
+    sizes = dict(data=1, tensor=4, expert=3, dcp=2)
+    tp = ("tensor", "dcp")
+    assert fit_spec(P(None, tp), (5, 16), sizes) == P(None, tp)
+    assert fit_spec(P(None, tp), (5, 12), sizes) == P(None, "tensor")  # 12 % 8 != 0, 12 % 4 == 0
+    assert fit_spec(P(None, tp), (5, 6), sizes) == P()
+    assert fit_spec(P(None, "expert", tp), (2, 16, 8), sizes) == P(None, None, tp)
+    assert shard_factor(P(None, "expert", tp), sizes) == 24
+
+
+def test_make_mesh_axes_and_device_check():
+    mesh = make_mesh()
+    assert mesh.axis_names == ("data", "tensor", "expert", "dcp")
+    assert set(mesh.axis_types) == {AxisType.Auto}
+    assert MeshShape.of(mesh) == MeshShape()
+    with pytest.raises(ValueError, match="needs 2 devices"):
+        make_mesh(tensor=2)
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        make_mesh(model=1)
+
+
+def test_planner_k3_on_16_h200_matches_hand_count():
+    cfg = get_preset("k3")
+    ctx = 131072
+    plan = plan_memory(cfg, MeshShape(tensor=16), context_len=ctx, batch=4)
+    n_kda, n_mla, n_moe = len(cfg.kda_layers), len(cfg.mla_layers), len(cfg.moe_layers)
+    assert (n_kda, n_mla, n_moe) == (69, 24, 92)
+    state = n_kda * (96 * 128 * 128 * 4 + 3 * (3 * 96 * 128) * 4) // 16  # fp32 recurrent + conv, heads over 16
+    assert plan.kda_state_per_request == state
+    assert plan.mla_per_token == 24 * 576 * 2  # bf16 latent + rope key, replicated over tensor
+    experts = n_moe * 896 * 3 * 3072 * 3584 * (1 / 2 + 1 / 32) / 16  # MXFP4 bytes + E8M0 scales
+    assert plan.weights["MoE routed experts"] == experts
+    assert plan.replicated == ()
+    assert 1.5e12 < plan.model_bytes < 1.7e12  # the 1.56 TB checkpoint
+    assert plan.cache_budget == plan.usable_bytes - plan.weights_per_device
+    assert plan.max_requests == plan.cache_budget // (state + ctx * plan.mla_per_token)
+    assert plan.max_context_at_batch == (plan.cache_budget - 4 * state) // plan.mla_per_token // 4
+
+    dcp = plan_memory(cfg, MeshShape(tensor=2, dcp=8), context_len=ctx, batch=4)
+    assert dcp.weights == plan.weights and dcp.kda_state_per_request == state
+    assert dcp.mla_per_token == plan.mla_per_token // 8
+    ep = plan_memory(cfg, MeshShape(tensor=8, expert=2), context_len=ctx, batch=4)
+    assert ep.weights["MoE routed experts"] == experts and ep.kda_state_per_request == 2 * state
+    assert "MoE routed experts" in plan.table()
+
+
+def test_planner_counts_what_the_rules_could_not_split():
+    cfg = get_preset("tiny")
+    plan = plan_memory(cfg, MeshShape(tensor=8), context_len=64, batch=2, weight_dtype="float32")
+    assert {"kda.b_proj", "kda.A_log"} <= set(plan.replicated)  # 4 value heads on 8 ranks
+    model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    specs = param_specs(model, MeshShape(tensor=8))
+    assert specs["kda.b_proj"] == P() and specs["kda.q_proj"] == P(None, None, ("tensor", "dcp"))
+    want = sum(math.prod(v.shape) * v.dtype.itemsize // shard_factor(specs[p], MeshShape(tensor=8).sizes())
+               for p, v in param_leaves(model).items())
+    assert plan.weights_per_device == want
+    whole = plan_memory(cfg, MeshShape(), context_len=64, batch=2, weight_dtype="float32")
+    assert whole.weights_per_device == whole.model_bytes == plan.model_bytes
+
+
+SHARDED_FORWARD = r"""
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+import kimi_jax
+from kimi_jax.api import KimiLM
+from kimi_jax.step import StepInputs, dense_step, init_cache
+from sharding import make_mesh, shard_cache, shard_params
+
+def two_chunks(lm, place):
+    # two prefill chunks of 13 tokens for 2 sequences: the second reads the placed cache the first wrote;
+    # both steps pad to the same shapes, so each model compiles one program
+    ids = np.random.default_rng(0).integers(0, 3840, (2, 26)).astype(np.int32)
+    cache = place(init_cache(lm.config, num_blocks=8, block_size=16, num_slots=4, dtype=lm.dtype))
+    logits = []
+    for start in (0, 13):
+        fields = dense_step(2, 13, block_size=16, context=np.array([start, start]), max_len=26)
+        fields["logits_indices"] = np.arange(26, dtype=np.int32)
+        out, cache = lm.step(place(cache), StepInputs(token_ids=ids[:, start:start + 13].reshape(-1), **fields))
+        logits.append(np.asarray(out))
+    return logits
+
+want = two_chunks(kimi_jax.load("tiny", dtype="float32", impl="reference"), lambda c: c)
+mesh = make_mesh(tensor=2, expert=2, dcp=2)
+model = shard_params(kimi_jax.load("tiny", dtype="float32").model, mesh)
+placed = lambda c: shard_cache(c, mesh)
+got = two_chunks(KimiLM(model, impl="reference"), placed)
+cache = placed(init_cache(model.config, num_blocks=8, block_size=16, num_slots=4))
+print(json.dumps(dict(
+    errors=[float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, want)],
+    q_proj_shard=list(model.kda.q_proj.get_value().addressable_shards[0].data.shape),
+    w1_shard=list(model.moe.w1_packed.get_value().addressable_shards[0].data.shape),
+    embed_shard=list(model.embed.get_value().addressable_shards[0].data.shape),
+    mla_shard=list(cache.mla.addressable_shards[0].data.shape),
+    state_shard=list(cache.kda_state.addressable_shards[0].data.shape))))
+"""
+
+
+def test_sharded_tiny_forward_equals_unsharded_on_8_fake_devices():
+    """TP4 (tensor 2 x dcp 2) x EP2 on 8 fake CPU devices, fp32, two prefill chunks over placed caches.
+    fp32 tolerance 1e-5 of the largest logit: only the summation order of split contractions differs
+    (observed ~1e-6); a wrong placement or a dropped shard is an O(1) error."""
+    cache = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "JAX_COMPILATION_CACHE_DIR": cache,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    run = subprocess.run([sys.executable, "-c", SHARDED_FORWARD], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(e <= 1e-5 for e in result["errors"]), result["errors"]
+    assert result["q_proj_shard"] == [6, 256, 64]  # [L, D, H*K/4]
+    assert result["w1_shard"] == [7, 8, 32, 64]  # [L, E/2, F/4, Din/2]
+    assert result["embed_shard"] == [1024, 256]  # vocabulary over 4 ranks
+    assert result["mla_shard"] == [2, 4, 16, 96]  # blocks over dcp=2, replicated over tensor
+    assert result["state_shard"] == [6, 4, 1, 64, 64]  # 4 heads over 4 ranks
