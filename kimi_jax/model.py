@@ -111,7 +111,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     def ffn(i: int, h: jax.Array) -> jax.Array:
         if cfg.mlp_types[i] == "dense":
             return dense_mlp(model.dense_mlp, dense_j[i], h, cfg)
-        return moe(model.moe, moe_j[i], h, cfg)
+        return moe(model.moe, moe_j[i], h, cfg, impl=impl)
 
     if cfg.uses_attnres:
         ar = model.attn_res

@@ -17,6 +17,8 @@ from flax import nnx
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers.common import F32, constant, fan_in_normal, glu, linear, rms_norm
 from kimi_jax.quant import mxfp4
+from pallas_kernels import mxfp4 as gemm_ops
+from pallas_kernels.impl import resolve_impl
 
 E2M1_RMS = 2.93  # RMS of a uniformly random E2M1 code's value, for random MXFP4 init
 
@@ -98,16 +100,26 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) ->
     return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def _expert_weight(p: MoEStack, name: str, j: int, dtype) -> jax.Array:
-    """Routed-expert weight ``[E, in, out]`` in ``dtype`` (MXFP4 dequantised here, per use)."""
-    if hasattr(p, f"{name}_packed"):
-        w = mxfp4.dequantize(getattr(p, f"{name}_packed")[j], getattr(p, f"{name}_scale")[j], dtype=dtype)
-        return jnp.swapaxes(w, -1, -2)
-    return getattr(p, name)[j]
+def _expert_matmul(p: MoEStack, name: str, j: int, xs: jax.Array, sizes: jax.Array, impl: str | None) -> jax.Array:
+    """Grouped GEMM of expert-sorted rows ``xs [M, in]`` with routed expert weight ``name`` -> ``[M, out]`` f32.
+
+    Pallas: the W4A16 grouped kernel streams the packed MXFP4 bytes (or the bf16 grouped kernel); reference:
+    dequantise every expert, then ``lax.ragged_dot`` (exact, but XLA lowers it densely on GPU)."""
+    packed = getattr(p, f"{name}_packed", None)
+    if resolve_impl(impl) == "pallas":
+        if packed is not None:
+            return gemm_ops.mxfp4_grouped_matmul(xs, packed[j], getattr(p, f"{name}_scale")[j], sizes,
+                                                 impl="pallas").astype(F32)
+        return gemm_ops.grouped_matmul(xs, getattr(p, name)[j], sizes, impl="pallas").astype(F32)
+    if packed is not None:
+        w = jnp.swapaxes(mxfp4.dequantize(packed[j], getattr(p, f"{name}_scale")[j], dtype=xs.dtype), -1, -2)
+    else:
+        w = getattr(p, name)[j]
+    return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32)
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
-                   cfg: ModelConfig) -> jax.Array:
+                   cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
     """Sort (token, choice) pairs by expert, run the grouped GLU experts, combine: z [T, Din] -> [T, Din]."""
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
@@ -115,19 +127,19 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     xs = z[order // k]
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     dtype = z.dtype
-    gate = jax.lax.ragged_dot(xs, _expert_weight(p, "w1", j, dtype), sizes, preferred_element_type=F32)
-    up = jax.lax.ragged_dot(xs, _expert_weight(p, "w3", j, dtype), sizes, preferred_element_type=F32)
+    gate = _expert_matmul(p, "w1", j, xs, sizes, impl)
+    up = _expert_matmul(p, "w3", j, xs, sizes, impl)
     act = glu(gate.astype(dtype), up.astype(dtype), cfg)
-    ys = jax.lax.ragged_dot(act, _expert_weight(p, "w2", j, dtype), sizes, preferred_element_type=F32)
+    ys = _expert_matmul(p, "w2", j, act, sizes, impl)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(t_rows, k, -1)
     return jnp.einsum("tkd,tk->td", y, weights).astype(dtype)
 
 
-def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
     """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D]."""
     weights, idx = route(x, p.router[j], p.router_bias[j], cfg)
     z = linear(x, p.latent_down[j]) if cfg.latent_dim is not None else x
-    y = routed_experts(p, j, z, weights, idx, cfg)
+    y = routed_experts(p, j, z, weights, idx, cfg, impl=impl)
     if cfg.latent_dim is not None:
         if cfg.latent_norm:
             y = rms_norm(y, p.latent_norm[j], cfg.rms_norm_eps)
