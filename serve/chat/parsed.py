@@ -1,5 +1,6 @@
 """Parsed model output (reasoning / content / tool calls) and the streaming base shared by K3 and K2 parsers."""
 
+import abc
 import dataclasses
 import json
 from typing import Any
@@ -36,7 +37,7 @@ class ParsedMessage:
     tool_calls: list[ToolCallDelta]
 
 
-class StreamingOutputParser:
+class StreamingOutputParser(abc.ABC):
     """feed(text) per detokenised chunk -> ParsedDelta; flush() at the end of the stream -> the last
     ParsedDelta (held-back text, unfinished calls as content); finish() -> the whole ParsedMessage.
 
@@ -91,11 +92,13 @@ class StreamingOutputParser:
         else:
             delta.content += raw
 
+    @abc.abstractmethod
     def _on_event(self, event: Event, delta: ParsedDelta) -> None:
-        raise NotImplementedError
+        """Apply one scanned text/marker event to the parser state, adding output to ``delta``."""
 
+    @abc.abstractmethod
     def _on_end(self, delta: ParsedDelta) -> None:
-        raise NotImplementedError
+        """End of stream: flush held-back text into ``delta``."""
 
 
 def raw_text(events: list[Event]) -> str:
