@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 from collections.abc import Sequence
 
 import jax
@@ -179,21 +180,23 @@ def _dtype(dtype) -> jnp.dtype:
         raise ValueError(f"dtype must be a floating dtype name like 'bfloat16' or 'float32', got {dtype!r}") from None
 
 
-def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | None = None) -> KimiLM:
+def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | None = None,
+         progress: Callable[[int, int], None] | None = None) -> KimiLM:
     """Load a checkpoint folder (hub layout) or build a preset (random weights unless the package ships them).
 
-    ``dtype`` is the parameter/activation dtype (fp32 islands stay fp32)."""
+    ``dtype`` is the parameter/activation dtype (fp32 islands stay fp32); ``progress(done, total)`` is called
+    after each stacked parameter is filled from the checkpoint (e.g. a :class:`kimi_jax.progress.ProgressBar`)."""
     from kimi_jax.weights.loader import load_into
 
     dt = _dtype(dtype)
     if os.path.isdir(path_or_preset):
         cfg = ModelConfig.from_json_file(os.path.join(path_or_preset, "config.json"))
         model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed)))  # shapes only, no init
-        return KimiLM(load_into(model, path_or_preset), impl=impl)
+        return KimiLM(load_into(model, path_or_preset, progress=progress), impl=impl)
     if path_or_preset in PRESETS:
         shipped = shipped_checkpoint(path_or_preset)
         if shipped:
-            return load(shipped, dtype, seed=seed, impl=impl)
+            return load(shipped, dtype, seed=seed, impl=impl, progress=progress)
         return KimiLM(KimiModel(get_preset(path_or_preset), dtype=dt, rngs=nnx.Rngs(seed)), impl=impl)
     raise ValueError(f"{path_or_preset!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
 

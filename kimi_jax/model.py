@@ -94,18 +94,19 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     x = model.embed[step.token_ids]
     kda_j, mla_j = _stack_index(cfg.kda_layers), _stack_index(cfg.mla_layers)
     dense_j, moe_j = _stack_index(cfg.dense_layers), _stack_index(cfg.moe_layers)
-    state, conv, pages = cache.kda_state, cache.kda_conv, cache.mla
+    state, conv, pages, scales = cache.kda_state, cache.kda_conv, cache.mla, cache.mla_scales
     mix = _Mixer(cfg.rms_norm_eps, impl)
     dtype = x.dtype
 
     def attention(i: int, h: jax.Array) -> jax.Array:
-        nonlocal state, conv, pages
+        nonlocal state, conv, pages, scales
         if cfg.layer_types[i] == "kda":
             j = kda_j[i]
             out, s_j, c_j = kda_layer(model.kda, j, h, state[j], conv[j], step, layout, cfg, impl=impl)
             state, conv = state.at[j].set(s_j), conv.at[j].set(c_j)
             return out
-        out, pages = mla_layer(model.mla, mla_j[i], h, pages, step, layout, cfg, impl=impl, form=mla_form)
+        out, pages, scales = mla_layer(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
+                                       form=mla_form)
         return out
 
     def ffn(i: int, h: jax.Array) -> jax.Array:
@@ -135,7 +136,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             x = x + ffn(i, rms_norm(x, model.post_attn_norm[i], cfg.rms_norm_eps))
         final = x[step.logits_indices]
     hidden = rms_norm(final.astype(dtype), model.norm, cfg.rms_norm_eps)
-    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv)
+    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
 
 
 def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:

@@ -56,19 +56,32 @@ class StepInputs:
         return self.context_lens.shape[0]
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["mla", "kda_state", "kda_conv"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["mla", "kda_state", "kda_conv", "mla_scales"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
     """Paged MLA latent pages and slot-indexed KDA state, stacked over layers of each kind.
 
-    mla       [L_mla, num_blocks, block_size, R + K_rope]   normalised c_kv ++ un-rotated k_pe
-    kda_state [L_kda, S, HV, K, V]                          fp32 (or bf16) recurrent state
-    kda_conv  [L_kda, S, W-1, 2*H*K + HV*V]                 last W-1 pre-conv q/k/v inputs, oldest first
+    mla        [L_mla, num_blocks, block_size, R + K_rope]  normalised c_kv ++ un-rotated k_pe (bf16/f32, or e4m3)
+    kda_state  [L_kda, S, HV, K, V]                         fp32 (or bf16) recurrent state
+    kda_conv   [L_kda, S, W-1, 2*H*K + HV*V]                last W-1 pre-conv q/k/v inputs, oldest first
+    mla_scales [L_mla, num_blocks, block_size] f32          per-token dequantisation scales of an fp8 ``mla``
+                                                            (row ~= e4m3 row * scale); None otherwise
     """
 
     mla: jax.Array
     kda_state: jax.Array
     kda_conv: jax.Array
+    mla_scales: jax.Array | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.mla_scales is not None
+
+    def pools(self) -> dict[str, jax.Array]:
+        """The pool arrays by field name (``mla_scales`` only for an fp8 cache)."""
+        names = ("mla", "kda_state", "kda_conv") + (("mla_scales",) if self.fp8 else ())
+        return {name: getattr(self, name) for name in names}
 
     @property
     def block_size(self) -> int:
@@ -85,9 +98,13 @@ class HybridCache:
 
 def init_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,
                dtype=jnp.bfloat16, state_dtype=jnp.float32) -> HybridCache:
-    """Zero-initialised pools (``jnp.empty`` is uninitialised since jax 0.11: never use it for state)."""
+    """Zero-initialised pools (``jnp.empty`` is uninitialised since jax 0.11: never use it for state).
+
+    ``dtype`` is the MLA page dtype; ``float8_e4m3fn`` adds the per-token ``mla_scales`` pool."""
+    fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
     return HybridCache(
         mla=jnp.zeros((len(cfg.mla_layers), num_blocks, block_size, cfg.mla_cache_width), dtype),
+        mla_scales=jnp.zeros((len(cfg.mla_layers), num_blocks, block_size), jnp.float32) if fp8 else None,
         kda_state=jnp.zeros((len(cfg.kda_layers), num_slots, cfg.kda_num_v_heads, cfg.kda_head_dim,
                              cfg.kda_v_head_dim), state_dtype),
         kda_conv=jnp.zeros((len(cfg.kda_layers), num_slots, cfg.kda_conv_kernel - 1, cfg.kda_conv_channels),

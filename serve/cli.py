@@ -23,10 +23,12 @@ def _add_generate(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     import kimi_jax
+    from kimi_jax.progress import ProgressBar
     from kimi_jax.tokenizer import load_tokenizer
 
     start = time.perf_counter()
-    lm = kimi_jax.load(args.model, dtype=args.dtype, seed=args.seed)
+    lm = kimi_jax.load(args.model, dtype=args.dtype, seed=args.seed,
+                       progress=ProgressBar("loading weights", unit="parameters"))
     tokenizer = load_tokenizer(args.model if os.path.isdir(args.model) else "tiny")
     if tokenizer.vocab_size > lm.config.vocab_size:
         raise SystemExit(f"tokenizer has {tokenizer.vocab_size} ids but the model only {lm.config.vocab_size}")
@@ -69,7 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     print(f"[kimi-jax] loading {args.model} and compiling the step buckets ...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, seed=args.seed, **engine_args_from_cli(args))
+    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, seed=args.seed, progress=True,
+                                       **engine_args_from_cli(args))
     runner = engine.runner
     print(f"[kimi-jax] ready in {time.perf_counter() - start:.1f}s: {runner.num_executables} executables "
           f"compiled in {runner.warm_up_seconds:.1f}s; {runner.plan.describe()}", file=sys.stderr, flush=True)

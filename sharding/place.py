@@ -40,5 +40,5 @@ def shard_params(model: KimiModel, mesh: Mesh) -> KimiModel:
 def shard_cache(cache: HybridCache, mesh: Mesh) -> HybridCache:
     """The cache's pools placed on ``mesh`` with their fitted specs."""
     specs = fitted_cache_specs(cache, MeshShape.of(mesh).sizes())
-    return HybridCache(**{name: jax.device_put(getattr(cache, name), NamedSharding(mesh, getattr(specs, name)))
-                          for name in ("mla", "kda_state", "kda_conv")})
+    return HybridCache(**{name: jax.device_put(pool, NamedSharding(mesh, getattr(specs, name)))
+                          for name, pool in cache.pools().items()})

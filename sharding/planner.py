@@ -170,7 +170,8 @@ def plan_memory(cfg: ModelConfig, mesh: MeshShape, *, context_len: int, batch: i
     cache_spec = fitted_cache_specs(pools, sizes)
     state = sum(math.prod(a.shape) * a.dtype.itemsize // shard_factor(s, sizes)
                 for a, s in ((pools.kda_state, cache_spec.kda_state), (pools.kda_conv, cache_spec.kda_conv)))
-    per_token = len(cfg.mla_layers) * cfg.mla_cache_width * _dtype_bytes(kv_dtype) / mesh.dcp
+    scale_bytes = 4 if pools.fp8 else 0  # an fp8 cache's per-token f32 scale
+    per_token = len(cfg.mla_layers) * (cfg.mla_cache_width * _dtype_bytes(kv_dtype) + scale_bytes) / mesh.dcp
 
     usable = int(hbm_bytes * memory_utilization) - workspace_bytes
     budget = usable - sum(weights.values())

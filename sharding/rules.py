@@ -110,15 +110,16 @@ def shard_factor(spec: P, sizes: Mapping[str, int]) -> int:
 
 
 def cache_specs() -> HybridCache:
-    """PartitionSpecs of the hybrid cache's three pools, as a HybridCache of specs."""
+    """PartitionSpecs of the hybrid cache's pools, as a HybridCache of specs (``mla_scales`` follows ``mla``)."""
     return HybridCache(mla=P(None, "dcp", None, None),
                        kda_state=P(None, None, TP, None, None),
-                       kda_conv=P(None, None, None, TP))
+                       kda_conv=P(None, None, None, TP),
+                       mla_scales=P(None, "dcp", None))
 
 
 def fitted_cache_specs(cache: HybridCache, sizes: Mapping[str, int]) -> HybridCache:
     """:func:`cache_specs` fitted to the pool shapes of ``cache`` (arrays or ``jax.ShapeDtypeStruct``)."""
     specs = cache_specs()
-    return HybridCache(mla=fit_spec(specs.mla, cache.mla.shape, sizes),
-                       kda_state=fit_spec(specs.kda_state, cache.kda_state.shape, sizes),
-                       kda_conv=fit_spec(specs.kda_conv, cache.kda_conv.shape, sizes))
+    return HybridCache(**{name: fit_spec(getattr(specs, name), pool.shape, sizes)
+                          for name, pool in cache.pools().items()})
+

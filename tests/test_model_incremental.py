@@ -12,7 +12,9 @@ from flax import nnx
 from kimi_jax.api import KimiLM
 from kimi_jax.config import ModelConfig
 from kimi_jax.model import KimiModel
-from kimi_jax.step import StepInputs
+from kimi_jax.layers import mla as mla_layers
+from kimi_jax.step import StepInputs, init_cache
+from pallas_kernels.mla import quantize_latent_fp8
 
 KL = ModelConfig(vocab_size=97, hidden_size=32, num_layers=4, layer_types=("kda", "mla", "kda", "kda"),
                  mlp_types=("dense", "moe", "moe", "moe"), kda_num_heads=2, kda_num_v_heads=4, kda_head_dim=16,
@@ -162,3 +164,39 @@ def test_decode_only_fast_path_matches_chunked_path(lm, rng):
                           checkpoint_slots=jnp.zeros((1, 0), jnp.int32), decode_only=True)
         got, cache_b = lm.step(cache_b, step)
         assert rel(got, want) < 1e-4
+
+
+def test_fp8_cache_equals_quantise_dequantise_emulation(lm, rng, monkeypatch):
+    """An e4m3 MLA cache (one f32 scale per token and layer) gives exactly the logits of an f32 cache that
+    stores the quantised-then-dequantised latents (1e-5), over chunked prefill + decode and in both MLA forms
+    (1e-4); it really quantises (differs from the f32 cache) and writes scales only into the used pages."""
+    ids = rng.integers(0, lm.config.vocab_size, 14).tolist()
+    table = [[1, 2, 3, 4]]
+    pieces = ((0, 9), (9, 10), (10, 11), (11, 14))
+
+    def chunked(model, cache):
+        got = []
+        for start, end in pieces:
+            logits, cache = run(model, cache, make_step([ids[start:end]], [start], tables=table, slots=[1]))
+            got.append(logits)
+        return np.concatenate(got), cache
+
+    fp8 = lambda: init_cache(lm.config, num_blocks=32, block_size=BS, num_slots=8, dtype=jnp.float8_e4m3fn)
+    absorbed, cache = chunked(lm, fp8())
+    assert cache.mla.dtype == jnp.float8_e4m3fn and cache.mla_scales.shape == cache.mla.shape[:3]
+    scales = np.asarray(cache.mla_scales)
+    assert (scales[:, 1:5].reshape(scales.shape[0], -1)[:, :len(ids)] > 0).all() and not scales[:, 5:].any()
+    unabsorbed, _ = chunked(KimiLM(lm.model, mla_form="unabsorbed"), fp8())
+    assert rel(unabsorbed, absorbed) < 1e-4
+    full, _ = chunked(lm, new_cache(lm))
+    assert rel(absorbed, full) > 1e-4
+
+    write = mla_layers.mla_ops.write_latent_cache
+
+    def write_rounded(pages, latent, slots, *, layer=None):
+        rows, row_scales = quantize_latent_fp8(latent)
+        return write(pages, rows.astype(jnp.float32) * row_scales[:, None], slots, layer=layer)
+
+    monkeypatch.setattr(mla_layers.mla_ops, "write_latent_cache", write_rounded)
+    emulated, _ = chunked(KimiLM(lm.model), new_cache(lm))
+    assert rel(absorbed, emulated) < 1e-5

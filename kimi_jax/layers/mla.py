@@ -43,13 +43,16 @@ class MLAStack(nnx.Module):
         self.o_proj = fan_in_normal(rngs, (n, h * cfg.v_head_dim, d), dtype)
 
 
-def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, step: StepInputs, layout: TokenLayout,
-              cfg: ModelConfig, *, impl: str | None = None, form: str = "absorbed") -> tuple[jax.Array, jax.Array]:
+def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
+              layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None,
+              form: str = "absorbed") -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """MLA layer ``j`` on a packed step.
 
-    x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written)
-    -> (out [T, D], pages). ``form``: "absorbed" (queries move to the latent space; decode) or "unabsorbed"
-    (the cached latents of each sequence are gathered and up-projected to per-head keys/values; prefill)."""
+    x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written);
+    scales [L_mla, num_blocks, block_size] f32 for an e4m3 ``pages`` (per-token quantisation), else None
+    -> (out [T, D], pages, scales). ``form``: "absorbed" (queries move to the latent space; decode) or
+    "unabsorbed" (the cached latents of each sequence are gathered and up-projected to per-head keys/values;
+    prefill)."""
     t_rows = x.shape[0]
     h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -60,8 +63,11 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, step: StepInp
     q = q.reshape(t_rows, h, kn + kr)
     kv = linear(x, p.kv_a[j])
     latent = jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
-    pages = mla_ops.write_latent_cache(pages, latent.astype(pages.dtype), slot_mapping(step, layout, pages.shape[2]),
-                                       layer=j)
+    slots = slot_mapping(step, layout, pages.shape[2])
+    if scales is None:
+        pages = mla_ops.write_latent_cache(pages, latent.astype(pages.dtype), slots, layer=j)
+    else:
+        pages, scales = mla_ops.write_latent_cache_fp8(pages, scales, latent, slots, layer=j)
 
     w_kv = p.kv_b[j].reshape(r, h, kn + vd)
     w_uk, w_uv = w_kv[..., :kn], w_kv[..., kn:]  # [R, H, Kn], [R, H, V]
@@ -70,7 +76,8 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, step: StepInp
     if form == "unabsorbed":
         cu_kv = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
         num_keys = step.block_tables.shape[0] * step.block_tables.shape[1] * pages.shape[2]
-        keys = mla_ops.gather_latent(pages, step.block_tables, cu_kv, num_keys, layer=j)  # [S, R+Kr]
+        keys = mla_ops.gather_latent(pages, step.block_tables, cu_kv, num_keys, page_scales=scales,
+                                     layer=j)  # [S, R+Kr]
         kv = jnp.einsum("sr,rhc->shc", keys[:, :r].astype(x.dtype), w_kv, preferred_element_type=F32)
         o, _ = mla_ops.mla_prefill_attention(q, kv[..., :kn].astype(x.dtype), keys[:, r:].astype(x.dtype),
                                              kv[..., kn:].astype(x.dtype), step.cu_seqlens, cu_kv,
@@ -80,10 +87,11 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, step: StepInp
         q_lat = jnp.einsum("thn,rhn->thr", q[..., :kn], w_uk, preferred_element_type=F32)
         q_abs = jnp.concatenate([q_lat, q[..., kn:].astype(F32)], axis=-1).astype(x.dtype)  # [T, H, R+Kr]
         o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, step.block_tables, total, step.cu_seqlens,
-                                               scale=scale, kv_lora_rank=r, layer=j, impl=impl)
+                                               scale=scale, kv_lora_rank=r, page_scales=scales, layer=j,
+                                               impl=impl)
         attn = jnp.einsum("thr,rhv->thv", o_lat, w_uv, preferred_element_type=F32).reshape(t_rows, h * vd)
     else:
         raise ValueError(f"MLA form must be 'absorbed' or 'unabsorbed', got {form!r}")
     if cfg.mla_output_gate:
         attn = attn * jax.nn.sigmoid(linear(x, p.g_proj[j]).astype(F32))
-    return linear(attn.astype(x.dtype), p.o_proj[j]), pages
+    return linear(attn.astype(x.dtype), p.o_proj[j]), pages, scales

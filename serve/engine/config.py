@@ -12,7 +12,8 @@ import math
 from serve.engine.buckets import Buckets, default_buckets
 from serve.engine.sampling_params import MAX_LOGPROBS
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
+_KV_CACHE_JNP = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 CPU_MEMORY_BUDGET = 64 << 20
 """Default cache budget on CPU (both pools together)."""
 
@@ -30,7 +31,8 @@ class EngineConfig:
     max_checkpoints_per_seq    checkpoint exports one sequence may do in one step (static width Pc)
     num_checkpoint_slots       KDA slots beyond the live ones, for checkpoints (max_num_seqs with prefix caching)
     num_blocks_override        use only this many MLA pages (incl. the reserved one), e.g. to force preemption
-    kv_cache_dtype             MLA page dtype: "auto" (the model's), "bfloat16" or "float32"
+    kv_cache_dtype             MLA page dtype: "auto" (the model's), "bfloat16", "float32", or "fp8" / "fp8_e4m3"
+                               (e4m3 rows with one f32 scale per token and layer: 580 vs 1152 bytes per token)
     memory_budget_bytes        bytes for both pools (CPU: 64 MiB; GPU: gpu_memory_utilization of the device
                                limit minus what is in use after the weights, minus activation_reserve_bytes)
     token_buckets / seq_buckets / page_buckets   precompiled T / N / P sizes (``buckets.default_buckets``)
@@ -115,8 +117,7 @@ class EngineConfig:
         _require(self.num_blocks_override is None or self.num_blocks_override >= 2, "num_blocks_override",
                  f"must be None or >= 2, got {self.num_blocks_override}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-                 f"must be one of {KV_CACHE_DTYPES} (fp8 pages are not supported by the model forward yet), "
-                 f"got {self.kv_cache_dtype!r}")
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.memory_budget_bytes is None or self.memory_budget_bytes > 0, "memory_budget_bytes",
                  f"must be None or > 0, got {self.memory_budget_bytes}")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
@@ -124,6 +125,11 @@ class EngineConfig:
         _require(0 <= self.max_logprobs <= MAX_LOGPROBS, "max_logprobs",
                  f"must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         _require(self.compile_threads >= 0, "compile_threads", f"must be >= 0, got {self.compile_threads}")
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype) -> str:
+    """The jnp dtype name of the MLA pages for an ``EngineConfig.kv_cache_dtype`` ("auto" = the model's)."""
+    return str(model_dtype) if kv_cache_dtype == "auto" else _KV_CACHE_JNP[kv_cache_dtype]
 
 
 def _require(ok: bool, field: str, message: str) -> None:

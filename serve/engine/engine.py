@@ -182,22 +182,27 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, model, *, tokenizer="auto", dtype="auto", seed: int = 0, impl: str | None = None,
-                        mesh=None, **engine_args) -> "LLMEngine":
+                        mesh=None, progress: bool = False, **engine_args) -> "LLMEngine":
         """Build model, runner and engine. ``model``: preset name, checkpoint folder, KimiLM or KimiModel;
         ``tokenizer``: "auto" (the preset's / folder's, if any), a preset name or folder, a Tokenizer, or None;
-        ``dtype``: parameter dtype ("auto": float32 on CPU, bfloat16 on GPU); ``engine_args``: EngineConfig fields.
+        ``dtype``: parameter dtype ("auto": float32 on CPU, bfloat16 on GPU); ``progress``: progress bars on
+        stderr for weight loading and warm-up compilation; ``engine_args``: EngineConfig fields.
         """
         from kimi_jax.api import load
+        from kimi_jax.progress import ProgressBar
 
         config = EngineConfig(**engine_args)
         if isinstance(model, str):
             if dtype == "auto":
                 from pallas_kernels.impl import on_gpu
                 dtype = "bfloat16" if on_gpu() else "float32"
-            lm = load(model, dtype, seed=seed, impl=impl)
+            lm = load(model, dtype, seed=seed, impl=impl,
+                      progress=ProgressBar("loading weights", unit="parameters") if progress else None)
         else:
             lm = model
-        return cls(ModelRunner(lm, config, mesh=mesh, impl=impl), tokenizer=_resolve_tokenizer(tokenizer, model))
+        compiling = ProgressBar("compiling step buckets", unit="executables") if progress else None
+        return cls(ModelRunner(lm, config, mesh=mesh, impl=impl, progress=compiling),
+                   tokenizer=_resolve_tokenizer(tokenizer, model))
 
     # ---- requests ----
     @property

@@ -15,7 +15,8 @@ import math
 class CacheDims:
     """Model dimensions that size the caches (glossary letters in brackets).
 
-    mla: ``num_mla_layers`` x [num_blocks, block_size, R + K_rope] at ``mla_dtype_bytes``;
+    mla: ``num_mla_layers`` x [num_blocks, block_size, R + K_rope] at ``mla_dtype_bytes`` plus ``mla_scale_bytes``
+    per token (an fp8 cache's f32 scale, else 0);
     kda: ``num_kda_layers`` x recurrent state [S, HV, K, V] at ``state_dtype_bytes`` plus conv state
     [S, W-1, 2*H*K + HV*V] at ``conv_dtype_bytes``.
     """
@@ -30,18 +31,19 @@ class CacheDims:
     kda_v_head_dim: int          # V
     conv_kernel: int             # W
     mla_dtype_bytes: int = 2
+    mla_scale_bytes: int = 0
     state_dtype_bytes: int = 4
     conv_dtype_bytes: int = 4
 
     @classmethod
-    def from_model_config(cls, cfg, *, mla_dtype_bytes: int = 2, state_dtype_bytes: int = 4,
-                          conv_dtype_bytes: int = 4) -> "CacheDims":
+    def from_model_config(cls, cfg, *, mla_dtype_bytes: int = 2, mla_scale_bytes: int = 0,
+                          state_dtype_bytes: int = 4, conv_dtype_bytes: int = 4) -> "CacheDims":
         """From a ``kimi_jax.config.ModelConfig`` (the defaults match ``kimi_jax.step.init_cache``)."""
         return cls(num_mla_layers=len(cfg.mla_layers), kv_lora_rank=cfg.kv_lora_rank,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, num_kda_layers=len(cfg.kda_layers),
                    kda_num_heads=cfg.kda_num_heads, kda_num_v_heads=cfg.kda_num_v_heads,
                    kda_head_dim=cfg.kda_head_dim, kda_v_head_dim=cfg.kda_v_head_dim,
-                   conv_kernel=cfg.kda_conv_kernel, mla_dtype_bytes=mla_dtype_bytes,
+                   conv_kernel=cfg.kda_conv_kernel, mla_dtype_bytes=mla_dtype_bytes, mla_scale_bytes=mla_scale_bytes,
                    state_dtype_bytes=state_dtype_bytes, conv_dtype_bytes=conv_dtype_bytes)
 
     @property
@@ -49,8 +51,9 @@ class CacheDims:
         return 2 * self.kda_num_heads * self.kda_head_dim + self.kda_num_v_heads * self.kda_v_head_dim
 
     def bytes_per_block(self, block_size: int) -> int:
-        """One MLA page in every MLA layer: num_mla_layers * block_size * (R + K_rope) * dtype bytes."""
-        return self.num_mla_layers * block_size * (self.kv_lora_rank + self.qk_rope_head_dim) * self.mla_dtype_bytes
+        """One MLA page in every MLA layer: num_mla_layers * block_size * ((R + K_rope) * dtype bytes + scale bytes)."""
+        row = (self.kv_lora_rank + self.qk_rope_head_dim) * self.mla_dtype_bytes + self.mla_scale_bytes
+        return self.num_mla_layers * block_size * row
 
     @property
     def bytes_per_slot(self) -> int:

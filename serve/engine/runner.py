@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kimi_jax.api import KimiLM
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
-from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig
+from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.outputs import SampledTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
@@ -115,19 +115,22 @@ def _greedy(logits: jax.Array) -> SampledTokens:
 
 
 def _copy_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> HybridCache:
-    """blocks, slots [2, C] (source row, destination row; (0, 0) = padding): copy whole MLA pages in every MLA
-    layer and KDA recurrent + conv state in every KDA layer; all sources are read before any write."""
-    return HybridCache(mla=cache.mla.at[:, blocks[1]].set(cache.mla[:, blocks[0]]),
-                       kda_state=cache.kda_state.at[:, slots[1]].set(cache.kda_state[:, slots[0]]),
-                       kda_conv=cache.kda_conv.at[:, slots[1]].set(cache.kda_conv[:, slots[0]]))
+    """blocks, slots [2, C] (source row, destination row; (0, 0) = padding): copy whole MLA pages (and their fp8
+    scales) in every MLA layer and KDA recurrent + conv state in every KDA layer; all sources are read before
+    any write."""
+    def copy(name: str, pool: jax.Array) -> jax.Array:
+        rows = blocks if name.startswith("mla") else slots
+        return pool.at[:, rows[1]].set(pool[:, rows[0]])
+
+    return dataclasses.replace(cache, **{name: copy(name, pool) for name, pool in cache.pools().items()})
 
 
 def _poison_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> HybridCache:
     """Fill pages ``blocks [C]`` and slots ``slots [C]`` with NaN (out-of-range ids = padding, dropped)."""
-    nan = jnp.nan
-    return HybridCache(mla=cache.mla.at[:, blocks].set(nan, mode="drop"),
-                       kda_state=cache.kda_state.at[:, slots].set(nan, mode="drop"),
-                       kda_conv=cache.kda_conv.at[:, slots].set(nan, mode="drop"))
+    def poison(name: str, pool: jax.Array) -> jax.Array:
+        return pool.at[:, blocks if name.startswith("mla") else slots].set(jnp.nan, mode="drop")
+
+    return dataclasses.replace(cache, **{name: poison(name, pool) for name, pool in cache.pools().items()})
 
 
 class StepHandle:
@@ -171,7 +174,7 @@ class ModelRunner:
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
                  impl: str | None = None, param_spec: Callable[[tuple], PartitionSpec] | None = None,
-                 warm_up: bool = True):
+                 warm_up: bool = True, progress: Callable[[int, int], None] | None = None):
         if isinstance(model, KimiLM):
             impl = impl if impl is not None else model.impl
             model = model.model
@@ -188,7 +191,7 @@ class ModelRunner:
         self.param_names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
         self._graphdef = graphdef
         self.vocab_size = model.config.vocab_size
-        self.kv_dtype = model.dtype if self.config.kv_cache_dtype == "auto" else jnp.dtype(self.config.kv_cache_dtype)
+        self.kv_dtype = jnp.dtype(kv_cache_dtype_name(self.config.kv_cache_dtype, jnp.dtype(model.dtype)))
         self.plan = self._plan_pools()
         self.cache = self._zero_cache()
         self.penalty_width = min(self.config.max_model_len, self.vocab_size)
@@ -200,7 +203,7 @@ class ModelRunner:
         self._last_launch = None
         self.warm_up_seconds = 0.0
         if warm_up:
-            self.warm_up()
+            self.warm_up(progress)
 
     # ---- pools ----
     @property
@@ -213,7 +216,9 @@ class ModelRunner:
 
     def _plan_pools(self) -> PoolPlan:
         cfg = self.config
-        dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize)
+        fp8 = self.kv_dtype == jnp.float8_e4m3fn
+        dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize,
+                                           mla_scale_bytes=4 if fp8 else 0)
         budget = cfg.memory_budget_bytes or (self._device_budget() if self.on_gpu else CPU_MEMORY_BUDGET)
         plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                          num_checkpoint_slots=cfg.num_checkpoint_slots)
@@ -240,8 +245,9 @@ class ModelRunner:
         return jax.jit(make, out_shardings=self.replicated)()
 
     # ---- compilation ----
-    def warm_up(self) -> None:
-        """Compile the step of every bucket, the copy executable and (test mode) the poison executable."""
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Compile the step of every bucket, the copy executable and (test mode) the poison executable;
+        ``progress(done, total)`` is called as executables finish compiling."""
         start = time.perf_counter()
         cfg = self.config
         lowered = {}
@@ -258,8 +264,14 @@ class ModelRunner:
         if cfg.test_mode:
             lowered["poison"] = jax.jit(_poison_entries, donate_argnums=(0,)).lower(self.cache, ids, ids)
         threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
+        report = progress or (lambda done, total: None)
+        report(0, len(lowered))
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())))
+            futures = {pool.submit(lo.compile): key for key, lo in lowered.items()}
+            compiled = {}
+            for future in concurrent.futures.as_completed(futures):
+                compiled[futures[future]] = future.result()
+                report(len(compiled), len(lowered))
         self._copy = compiled.pop("copy")
         self._poison = compiled.pop("poison", None)
         self._steps = compiled

@@ -13,6 +13,7 @@ import os
 
 import uvicorn
 
+from serve.engine.config import KV_CACHE_DTYPES
 from serve.openai.app import build_app
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import guidance_tokenizer
@@ -50,8 +51,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--prefix-cache-retention-interval", type=int, default=0,
                         help="also checkpoint KDA state every this many tokens (0: prompt ends and shared-prefix "
                              "junctions only)")
-    engine.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                        help="MLA page dtype (auto: the model's); an fp8 cache exists at the kernel level only")
+    engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="MLA page dtype (auto: the model's); fp8 = e4m3 with one f32 scale per token, "
+                             "half the cache bytes")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     return parser

@@ -126,7 +126,7 @@ def test_engine_config_defaults_and_validation():
         max_position_embeddings=4096), gpu=True)
     assert gpu.buckets.tokens == (16, 64, 256, 1024) and gpu.buckets.seqs == (1, 4, 16, 64)
     assert gpu.buckets.pages == (16, 64, 256) and gpu.num_checkpoint_slots == 64
-    for bad, field in [(dict(kv_cache_dtype="fp8"), "kv_cache_dtype"), (dict(max_model_len=65), "max_model_len"),
+    for bad, field in [(dict(kv_cache_dtype="fp16"), "kv_cache_dtype"), (dict(max_model_len=65), "max_model_len"),
                        (dict(max_num_batched_tokens=100, token_buckets=(16, 64)), "bucket"),
                        (dict(max_num_seqs=32, max_num_batched_tokens=16), "max_num_batched_tokens")]:
         with pytest.raises(ValueError, match=field):

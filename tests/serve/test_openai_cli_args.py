@@ -22,10 +22,10 @@ def engines():
 
 
 def test_vllm_recipe_flags_parse(engines):
-    """The vLLM K3 recipe's flags (its --kv-cache-dtype fp8 is not supported yet: the model has no fp8 page path)."""
+    """The vLLM K3 recipe's flags, including its fp8 MLA cache."""
     args = parse("tiny", "--host", "127.0.0.1", "--port", "9001", "--served-model-name", "kimi", "k3",
                  "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "2048",
-                 "--enable-prefix-caching", "--prefix-cache-retention-interval", "512", "--kv-cache-dtype", "bfloat16",
+                 "--enable-prefix-caching", "--prefix-cache-retention-interval", "512", "--kv-cache-dtype", "fp8",
                  "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3",
                  "--api-key", "k", "--seed", "3")
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (4096, 8, 2048)
