@@ -38,6 +38,8 @@ class EngineConfig:
     token_buckets / seq_buckets / page_buckets   precompiled T / N / P sizes (``buckets.default_buckets``)
     max_logprobs               most top logprobs a request may ask for (computed on device when asked)
     seed                       draws the seeds of requests that do not set one
+    async_scheduling           schedule and launch step n+1 while step n runs when every running request is
+                               decoding (tokens fed from the device; ``Scheduler.schedule_ahead``)
     test_mode                  fill freed pages and slots with NaN so that a stale read shows up
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
     """
@@ -60,6 +62,7 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
     max_logprobs: int = MAX_LOGPROBS
     seed: int = 0
+    async_scheduling: bool = True
     test_mode: bool = False
     compile_threads: int | None = None
 

@@ -60,6 +60,7 @@ class StepTiming:
     schedule: float = 0.0
     launch: float = 0.0
     process: float = 0.0
+    ahead: bool = False  # the step launched here was scheduled before the previous one finished
 
     @property
     def host(self) -> float:
@@ -145,8 +146,8 @@ class LLMEngine:
       tokenizer: a kimi_jax Tokenizer for text output and stop strings, or None (token ids only).
       config: scheduling settings for this engine (default ``runner.config``). Only ``max_model_len``,
         ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
-        ``prefix_cache_retention_interval``, ``max_checkpoints_per_seq``, ``num_blocks_override`` and ``seed``
-        are read; they must fit what the runner compiled (buckets, checkpoint width); block size, pools,
+        ``prefix_cache_retention_interval``, ``max_checkpoints_per_seq``, ``num_blocks_override``, ``seed`` and
+        ``async_scheduling`` are read; they must fit what the runner compiled (buckets, checkpoint width); block size, pools,
         buckets, dtypes and test mode are the runner's.
     """
 
@@ -273,10 +274,21 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        """Finish the step in flight, launch the next one, and return the outputs of the finished step."""
+        """Launch the next step, finish the step in flight, and return the outputs of the finished step.
+
+        With ``async_scheduling`` the next step is scheduled and launched before waiting for the step in flight
+        whenever the scheduler can (steady decoding, see ``Scheduler.schedule_ahead``), so the device never
+        waits for the host; otherwise it is scheduled after the step in flight has been applied."""
         timing = StepTiming()
         changed: list[Request] = []
         clock = time.perf_counter()
+        ahead = None
+        if self._in_flight is not None and self.config.async_scheduling:
+            out = self.scheduler.schedule_ahead()
+            clock, timing.schedule = _lap(clock)
+            if out is not None:
+                ahead = (out, self.runner.execute(out))
+                clock, timing.launch = _lap(clock)
         if self._in_flight is not None:
             out, handle = self._in_flight
             self._in_flight = None
@@ -284,15 +296,19 @@ class LLMEngine:
             clock, timing.wait = _lap(clock)
             changed = self.scheduler.update_from_output(out, sampled)
             clock, timing.update = _lap(clock)
-        if self.scheduler.has_unfinished_requests():
+        if ahead is not None:
+            self._in_flight = ahead
+        elif self.scheduler.has_unfinished_requests():
             out = self.scheduler.schedule()
-            clock, timing.schedule = _lap(clock)
+            clock, schedule = _lap(clock)
+            timing.schedule += schedule
             handle = self.runner.execute(out)
             if out.sequences:
                 self._in_flight = (out, handle)
             else:
                 self.scheduler.update_from_output(out, handle.result())
             clock, timing.launch = _lap(clock)
+        timing.ahead = ahead is not None
         outputs = self._process(changed)
         _, timing.process = _lap(clock)
         self.last_timing = timing
@@ -395,7 +411,7 @@ def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfi
         enable_prefix_caching=config.enable_prefix_caching,
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         max_checkpoints_per_seq=config.max_checkpoints_per_seq, num_blocks_override=config.num_blocks_override,
-        seed=config.seed)
+        seed=config.seed, async_scheduling=config.async_scheduling)
     cfg.validate(runner.model_config)
     if cfg.max_model_len > base.max_model_len:
         raise ValueError(f"EngineConfig.max_model_len {cfg.max_model_len} exceeds the runner's {base.max_model_len}")

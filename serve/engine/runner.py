@@ -78,12 +78,19 @@ def single_device_mesh(device: jax.Device | None = None) -> Mesh:
     return Mesh(np.asarray([device]).reshape(1, 1, 1), MESH_AXES)
 
 
-def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, params, cache, words, optional):
-    """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays):
-    -> (SampledTokens of every row [N], new cache)."""
+def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, params, cache, words, optional,
+              prev_tokens):
+    """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
+
+    prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
+    ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N], tokens [S] (the sampled ids
+    padded with 0, the next step's ``prev_tokens``), new cache)."""
     batch = join(unpack(words, layout), optional)
+    ids = batch.step.token_ids
+    pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
+    step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, cache = forward(model, cache, batch.step, impl=impl)
+    hidden, cache = forward(model, cache, step, impl=impl)
     logits = compute_logits(model, hidden)  # [N, vocab] f32
     s = batch.sampling
     logits = jax.lax.cond(batch.use_bitmask, lambda x: apply_bitmask(x, s.allowed_bitmask), lambda x: x, logits)
@@ -103,7 +110,8 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, p
 
         top_lps, top_ids = jax.lax.cond(batch.want_top_logprobs, top, skip, logits)
         sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids, top_lps)
-    return sampled, cache
+    tokens = jnp.zeros_like(prev_tokens).at[:sampled.token_ids.shape[0]].set(sampled.token_ids)
+    return sampled, tokens, cache
 
 
 def _greedy(logits: jax.Array) -> SampledTokens:
@@ -201,6 +209,7 @@ class ModelRunner:
         self._layouts: dict[tuple[int, int, int, bool], PackedLayout] = {}
         self._copy = self._poison = None
         self._last_launch = None
+        self._tokens = jax.device_put(np.zeros(max(self.buckets.seqs), np.int32), self.replicated)
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up(progress)
@@ -257,7 +266,7 @@ class ModelRunner:
             words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
                                       layout), donate_argnums=(1,))
-            lowered[shape] = step_fn.lower(self.params, self.cache, words, optional)
+            lowered[shape] = step_fn.lower(self.params, self.cache, words, optional, self._tokens)
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
         lowered["copy"] = jax.jit(_copy_entries, donate_argnums=(0,)).lower(self.cache, pairs, pairs)
@@ -299,8 +308,9 @@ class ModelRunner:
         small, optional = split(batch)
         words = pack(small)
         assert words.shape[0] == self._layouts[shape].num_words, shape
-        self._last_launch = (self._steps[shape], jax.device_put((words, optional), self.replicated))
-        sampled, self.cache = self._last_launch[0](self.params, self.cache, *self._last_launch[1])
+        inputs = jax.device_put((words, optional), self.replicated)
+        self._last_launch = (self._steps[shape], (*inputs, self._tokens))
+        sampled, self._tokens, self.cache = self._last_launch[0](self.params, self.cache, *self._last_launch[1])
         return StepHandle(sampled, len(out.sequences), with_logprobs)
 
     def time_step(self, repeats: int) -> float:
@@ -310,7 +320,7 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         start = time.perf_counter()
         for _ in range(repeats):
-            sampled, self.cache = executable(self.params, self.cache, *args)
+            sampled, _, self.cache = executable(self.params, self.cache, *args)
         jax.block_until_ready((sampled, self.cache))
         return (time.perf_counter() - start) / repeats
 
@@ -335,6 +345,9 @@ class ModelRunner:
             step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
         rows = [s.request if s.is_sampled else None for s in sequences]
         sampling = SamplingTensors.from_requests(rows, self.vocab_size, num_rows=n, penalty_width=self.penalty_width)
+        for i, seq in enumerate(sequences):
+            if seq.token_ids[0] < 0:  # scheduled ahead: the in-flight step's token is this request's next output
+                sampling.step_index[i] += 1
         with_logprobs = any(r is not None and r.sampling_params.logprobs is not None for r in rows)
         want_top = any(r is not None and r.sampling_params.logprobs for r in rows)
         neutral = self._neutral_sampling(n)

@@ -1,7 +1,12 @@
 """Scheduler: continuous batching with chunked prefill over the hybrid cache (plain Python, no JAX).
 
 One engine iteration is ``out = schedule()`` -> the runner executes ``out`` -> ``update_from_output(out,
-sampled)``; the two calls strictly alternate. Policy:
+sampled)``. While a step is in flight, ``schedule_ahead()`` may queue the next one (asynchronous scheduling:
+the host prepares step n+1 while the device runs step n): in the steady decode state, when every running
+request is sampled by the in-flight step and nothing waits, each request's next token is fed straight from
+the device (a placeholder token id ``-1 - row`` of the in-flight step's sampled rows). A request that stops
+in step n while queued in step n+1 drains: it is reported finished at once and keeps its pages and slot until
+step n+1 has run (its live state then covers every token, and becomes its final checkpoint). Policy:
 * token budget ``max_num_batched_tokens`` per step: every running request that is decoding gets its one
   token first (in admission order), then partially prefilled running requests and finally newly admitted
   ones take what is left, first come first served. The budget adapts: a lone request may use all of it.
@@ -18,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+
+PENDING_TOKEN = -1
+"""Placeholder ids are ``PENDING_TOKEN - row``: the token sampled for ``row`` by the step before."""
 
 import numpy as np
 
@@ -48,7 +56,9 @@ class ScheduledSequence:
 
     request               the Request (read its sampling params, seed, output ids; do not mutate)
     token_ids             [T_i] int   tokens fed this step, at positions context_len .. context_len + T_i - 1
-                                     (a prefill chunk, or the single last sampled token when decoding)
+                                     (a prefill chunk, or the single last sampled token when decoding; in a
+                                     step scheduled ahead, ``-1 - r``: the token row r of the previous step
+                                     samples on the device)
     context_len           int         tokens of this request already in its pages and live state before the
                                      step; 0 = start from the zero state (the live slot must not be read)
     block_table           [ceil((context_len + T_i) / block_size)] int   MLA pages, page j holds positions
@@ -143,7 +153,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._draining: dict[str, Request] = {}
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -176,7 +187,7 @@ class Scheduler:
         # Aborted requests keep nothing, nor does a request ending while a step is in flight (that step may still
         # write its live slot); otherwise the live state becomes a checkpoint.
         self._retire(request, retain_state=not was_waiting and status != RequestStatus.FINISHED_ABORTED
-                     and self._in_flight is None)
+                     and not self._in_flight)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -194,8 +205,8 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called twice without update_from_output()")
+        if self._in_flight:
+            raise RuntimeError("schedule() called while a step is in flight (update_from_output() first)")
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, tuple[int, list[int]]] = {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -230,9 +241,53 @@ class Scheduler:
         sequences = [self._sequence(request, n, positions) for request, n, positions in scheduled]
         block_copies, slot_copies = self.cache.take_copies()
         freed_blocks, freed_slots = self.cache.take_freed()
-        self._in_flight = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots,
-                                          preempted)
-        return self._in_flight
+        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, preempted)
+        self._in_flight.append(out)
+        return out
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """With exactly one step in flight: the next decode step of every running request, fed with the tokens
+        that step samples on the device. None (call ``schedule()`` after ``update_from_output()``) unless every
+        running request is sampled by the step in flight, none has penalties or a grammar constraint (their
+        host state needs the token), nothing waits, no checkpoint falls on the new position and the pages fit.
+        Requests whose in-flight token is certainly their last (max_tokens, max_model_len) are left out."""
+        if len(self._in_flight) != 1 or self.waiting:
+            return None
+        rows = {seq.request.request_id: i for i, seq in enumerate(self._in_flight[0].sequences) if seq.is_sampled}
+        plan: list[tuple[Request, int, int]] = []
+        for request in self.running:
+            row = rows.get(request.request_id)
+            if row is None or request.constraint is not None or request.sampling_params.uses_penalties:
+                return None
+            if self._last_token_in_flight(request):
+                continue
+            position = request.num_tokens  # where the in-flight token goes
+            if self.cache.checkpoint_positions(request, position, 1)[0]:
+                return None
+            plan.append((request, row, position))
+        grow = [position + 1 - request.num_computed_tokens for request, _, position in plan]
+        need = sum(self.cache.pages_for(request.num_computed_tokens + n) - len(request.block_table)
+                   for (request, _, _), n in zip(plan, grow))
+        if not plan or need > self.cache.blocks.num_available:
+            return None
+        sequences = []
+        for (request, row, position), n in zip(plan, grow):
+            self.cache.grow(request, n)
+            sequences.append(ScheduledSequence(
+                request=request, token_ids=[PENDING_TOKEN - row], context_len=position,
+                block_table=request.block_table, state_slot=request.state_slot, checkpoint_positions=[],
+                checkpoint_slots=[], is_sampled=True))
+        block_copies, slot_copies = self.cache.take_copies()
+        freed_blocks, freed_slots = self.cache.take_freed()
+        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [])
+        self._in_flight.append(out)
+        return out
+
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """The token the step in flight samples for ``request`` ends it whatever its value."""
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + 1 >= max_tokens)
+                or request.num_tokens + 1 >= self.config.max_model_len)
 
     def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Request]:
         """Advance every scheduled request by its step; append sampled tokens and apply stop conditions.
@@ -240,12 +295,20 @@ class Scheduler:
         ``sampled`` holds one row per sequence of ``output`` (host numpy arrays). Returns the requests that
         got a token or finished, in sequence order; finished ones have released their pages and slot.
         """
-        if output is not self._in_flight:
-            raise RuntimeError("update_from_output() must get the output of the last schedule()")
+        if not self._in_flight or output is not self._in_flight[0]:
+            raise RuntimeError("update_from_output() must get the oldest scheduled step's output")
+        self._in_flight.popleft()
+        queued = {seq.request.request_id for seq in self._in_flight[0].sequences} if self._in_flight else set()
         changed = []
         tokens = np.asarray(sampled.token_ids).tolist()
         for row, seq in enumerate(output.sequences):
             request = seq.request
+            if self._draining.pop(request.request_id, None) is not None:
+                # it stopped last step; this step fed its final token: keep the complete state
+                request.num_computed_tokens += seq.num_tokens
+                self.cache.on_step_done(request, [])
+                self.cache.free_request(request, retain_state=True)
+                continue
             if request.status != RequestStatus.RUNNING:
                 self.cache.discard_checkpoint_slots(seq.checkpoint_slots)
                 continue
@@ -259,10 +322,12 @@ class Scheduler:
             request.append_output_token(token, self._logprob_entry(request, sampled, row, token))
             self.num_generation_tokens += 1
             if request.check_stop(self.config.max_model_len):
-                self._retire(request, retain_state=True)
+                if request.request_id in queued:
+                    self._drain(request)
+                else:
+                    self._retire(request, retain_state=True)
             changed.append(request)
         self.cache.release_step_pins()
-        self._in_flight = None
         return changed
 
     # ---- internals ----
@@ -318,6 +383,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _drain(self, request: Request) -> None:
+        """Finished, but a queued step still feeds it: release its resources when that step is done."""
+        self.running.remove(request)
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+        self._draining[request.request_id] = request
 
     def _retire(self, request: Request, *, retain_state: bool) -> None:
         if request in self.running:

@@ -330,3 +330,45 @@ def test_hit_rates_shared_system_prompt_and_multi_turn_chat(reference):
           f"multi-turn chat {chat.rate:.1%} ({chat.hits}/{chat.queries})")
     assert system.rate > 0.4 and chat.rate > 0.4
     assert_pools_free(engine)
+
+
+def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoints(reference):
+    """Steps scheduled ahead (tokens fed from the device) give the synchronous engine's outputs: greedy
+    requests stopping on a token mid-run (they drain: the queued step's work on them is discarded, and their
+    final state, which then covers every token, becomes the checkpoint a follow-up turn resumes from), seeded
+    sampling (the ahead step's sampler uses the next output index), and all pools free at the end."""
+    names = ["a", "d", "f", "g", "h"]
+    stops = {n: reference[n][3] for n in ("a", "g")}  # these two stop at their 4th token (or earlier)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_NEW, seed=7, ignore_eos=True)
+
+    def params(name):
+        return greedy(stop_token_ids=[stops[name]]) if name in stops else sampled if name == "h" else greedy()
+
+    results = {}
+    for async_scheduling in (True, False):
+        engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+        for name in names:
+            engine.add_request(name, PROMPTS[name], params(name))
+        ahead, done = 0, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            ahead += engine.last_timing.ahead
+        assert (ahead > 0) == async_scheduling
+        # a follow-up turn of a stopped request resumes from its final state
+        turn = PROMPTS["a"] + done["a"] + PROMPTS["f"]
+        engine.add_request("turn", turn, greedy(3))
+        done["turn"] = run(engine)["turn"].outputs[0].token_ids
+        assert engine.stats().prefix_cache_hits >= len(PROMPTS["a"]) + len(done["a"]) - 1
+        results[async_scheduling] = done
+        assert_pools_free(engine)
+    assert results[True] == results[False]
+    for name in names[:4]:
+        want = reference[name]
+        if name in stops:
+            want = want[:want.index(stops[name]) + 1]
+        assert results[True][name] == want, name
+    fresh = make_engine(enable_prefix_caching=False)
+    fresh.add_request("turn", PROMPTS["a"] + results[True]["a"] + PROMPTS["f"], greedy(3))
+    assert run(fresh)["turn"].outputs[0].token_ids == results[True]["turn"]
