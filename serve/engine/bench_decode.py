@@ -37,6 +37,33 @@ def active_bytes(runner, batch: int, context: int) -> float:
     return weights + state + latents
 
 
+def time_to_first_token(runner, cfg, args, rng) -> dict:
+    """Seconds from add_request to the first sampled token of one ``--ttft-prompt-len`` prompt on an idle engine
+    (chunked by ``--prefill-chunk``), twice: the first run also pays one-off costs, the second is reported."""
+    from serve.engine.config import EngineConfig
+    from serve.engine.engine import LLMEngine
+    from serve.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(runner, config=EngineConfig(max_num_seqs=1, max_num_batched_tokens=args.prefill_chunk,
+                                                   enable_prefix_caching=False))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    seconds = []
+    for attempt in range(2):
+        prompt = rng.integers(0, cfg.vocab_size, args.ttft_prompt_len).tolist()
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{attempt}", prompt, params)
+        request = engine.scheduler.requests[f"ttft-{attempt}"]
+        while request.num_output_tokens < 1:
+            engine.step()
+        seconds.append(time.perf_counter() - start)
+        engine.abort_request(f"ttft-{attempt}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    n = args.ttft_prompt_len
+    return dict(prompt_len=n, chunk=args.prefill_chunk, first_run_s=seconds[0], ttft_s=seconds[1],
+                prefill_tokens_per_s=n / seconds[1])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="kimi-linear-48b")
@@ -48,6 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--memory-gib", type=float, default=4.0)
+    parser.add_argument("--ttft-prompt-len", type=int, default=0,
+                        help="also time the first token of one prompt of this many tokens on an idle engine")
+    parser.add_argument("--profile", action="store_true",
+                        help="write a jax.profiler trace of a few decode steps per batch under --out")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
@@ -70,11 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     max_batch = max(args.batches)
     decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2
     max_model_len = args.prompt_len + decode_tokens + 16
-    runner = ModelRunner(model, EngineConfig(
-        max_model_len=max_model_len, max_num_seqs=max_batch, max_num_batched_tokens=args.prefill_chunk,
-        block_size=16, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,),
-        seq_buckets=tuple(args.batches), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
-        compile_threads=8), impl=args.impl)
+
+    def make_runner(max_len: int, seqs: tuple[int, ...]) -> ModelRunner:
+        """One page bucket (the longest request's pages), token bucket ``--prefill-chunk``, the given N buckets."""
+        return ModelRunner(model, EngineConfig(
+            max_model_len=max_len, max_num_seqs=max(seqs), max_num_batched_tokens=args.prefill_chunk,
+            block_size=16, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
+            page_buckets=(-(-max_len // 16),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
+            compile_threads=8), impl=args.impl)
+
+    runner = make_runner(max_model_len, tuple(args.batches))
     setup = time.perf_counter() - start
     print(f"{jax.devices()[0].device_kind}: {args.preset} x {n} layers {cfg.layer_types}, "
           f"{sum(p.nbytes for p in runner.params) / 1e9:.2f} GB params; setup {setup:.1f}s "
@@ -99,12 +135,16 @@ def main(argv: list[str] | None = None) -> None:
             timings.append(engine.last_timing)
         wall = (time.perf_counter() - t0) / args.decode_steps
         device = runner.time_step(args.decode_steps)
+        if args.profile:
+            with jax.profiler.trace(os.path.join(args.out, f"trace_b{batch}"), create_perfetto_trace=True):
+                runner.time_step(3)
         context = int(np.mean([r.num_tokens for r in requests]))
         roof = active_bytes(runner, batch, context) / COPY_BANDWIDTH
         serial = float(np.mean([t.update + t.schedule + t.launch for t in timings]))
         overlapped = float(np.mean([t.process for t in timings]))
+        launch = float(np.mean([t.launch for t in timings]))
         rows.append(dict(batch=batch, tokens_per_s=batch / wall, step_ms=wall * 1e3, device_ms=device * 1e3,
-                         host_serial_ms=serial * 1e3, host_overlapped_ms=overlapped * 1e3,
+                         host_serial_ms=serial * 1e3, launch_ms=launch * 1e3, host_overlapped_ms=overlapped * 1e3,
                          host_overhead=max(0.0, wall - device) / wall, roofline_ms=roof * 1e3,
                          roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall))
         print(json.dumps(rows[-1]), flush=True)
@@ -112,6 +152,12 @@ def main(argv: list[str] | None = None) -> None:
             engine.abort_request(r.request_id)
         while engine.has_unfinished_requests():
             engine.step()
+
+    ttft = None
+    if args.ttft_prompt_len:
+        ttft_runner = make_runner(args.ttft_prompt_len + 16, (1,))
+        ttft = time_to_first_token(ttft_runner, cfg, args, rng)
+        print(json.dumps(dict(ttft=ttft)), flush=True)
 
     print("\n| batch | decode tok/s | step ms | device ms | host serial ms | host overlapped ms | host overhead "
           "| roofline ms | % of roofline |")
@@ -121,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['host_serial_ms']:.2f} | {r['host_overlapped_ms']:.2f} | {r['host_overhead']:.1%} | "
               f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} |")
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-        json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows), f, indent=1)
+        json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows, ttft=ttft), f,
+                  indent=1)
 
 
 if __name__ == "__main__":
