@@ -5,6 +5,13 @@ Pallas kernels against the references on fresh random inputs, then times prefill
 in-kernel q/k L2 norm and gate) and decode (one token per sequence, fp32 or bf16 state pool) on the same
 inputs for every implementation. Needs torch + FLA wheels (``bash ../shared/tools/peer-wheels.sh``).
 
+Phases (so one ~8 minute call holds the full grid): (1) ceilings; (2) while child processes compile every
+autotune config of FLA's kernels for each head count (each config launched once, timings faked and not
+cached: ``--fla-warmup H``), the parent compiles our kernels and the XLA references and runs the correctness
+checks (nothing is timed while the children run); (3) with the GPU to itself: ours, then FLA (its real
+autotuning, now only benchmarking), then the XLA reference timings. The JSON is rewritten after every row,
+so a timeout keeps what was measured.
+
 Usage (repo root, GPU machine): ``PYTHONPATH=. python3 pallas_kernels/kda/bench.py [--suite quick|full]``.
 Writes ``kda_bench.json`` under ``$OUT`` (or the cwd) and prints a table.
 """
@@ -12,9 +19,12 @@ Writes ``kda_bench.json`` under ``$OUT`` (or the cwd) and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 import warnings
@@ -31,6 +41,11 @@ CHUNK = 64
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
 CONV_WIDTH = 4
+T0 = time.perf_counter()
+
+
+def elapsed():
+    return time.perf_counter() - T0
 
 
 def time_jax(fn, *args, iters=20, repeats=5):
@@ -74,6 +89,7 @@ def device_ceilings():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_s = time_torch(lambda: a @ b)
     del x, y, a, b
+    torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * 2**31 / copy_s, "bf16_matmul_flops": 2 * 8192**3 / mm_s}
 
 
@@ -94,7 +110,8 @@ def correctness_checks(key):
             name = f"{jnp.dtype(dtype).name} {'softplus' if lower_bound is None else 'lower_bound'}"
             results[name] = [rel_err(a, b) for a, b in zip(out["pallas"], out["reference"])]
     for name, errs in results.items():
-        print(f"check prefill {name}: rel err o {errs[0]:.1e} final {errs[1]:.1e} checkpoints {errs[2]:.1e}")
+        print(f"check prefill {name}: rel err o {errs[0]:.1e} final {errs[1]:.1e} checkpoints {errs[2]:.1e}",
+              flush=True)
     return results
 
 
@@ -131,50 +148,77 @@ def prefill_bytes(lengths, heads, value_heads):
     return per_token * total + 4 * len(lengths) * value_heads * HEAD_DIM * HEAD_DIM
 
 
-def run_prefill(name, lengths, heads, value_heads, lower_bound, with_reference, with_fla, rows, key):
-    x = prefill_inputs(key, lengths, heads, value_heads)
-    gate = dict(use_qk_l2norm=True, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=lower_bound)
+@functools.partial(jax.jit, static_argnames=("impl", "lower_bound"))
+def prefill_call(q, k, v, g, beta, cu, A_log, dt_bias, *, impl, lower_bound):
+    """(o, final_state) of one packed prefill; jitted once per shape / impl / gate and reused across phases."""
+    return chunk_kda(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
+                     lower_bound=lower_bound, impl=impl)[:2]
 
-    def ours_fn(impl):
-        return jax.jit(lambda q, k, v, g, beta, cu: chunk_kda(q, k, v, g, beta, cu_seqlens=cu, impl=impl, **gate)[:2])
 
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"])
-    row = dict(kind="prefill", name=name, H=heads, HV=value_heads, tokens=int(sum(lengths)), seqs=len(lengths),
-               gate="lower_bound" if lower_bound is not None else "softplus",
-               flops=prefill_flops(lengths, value_heads), bytes=prefill_bytes(lengths, heads, value_heads))
-    ours = ours_fn("pallas")
-    start = time.perf_counter()
-    o, state = jax.block_until_ready(ours(*args))
-    row["ours_compile_s"] = time.perf_counter() - start
-    row["ours_s"] = time_jax(ours, *args)
-    print(f"{name}: ours {row['ours_s'] * 1e3:.3f} ms (first call {row['ours_compile_s']:.1f} s)", flush=True)
-    if with_reference:
-        ref = ours_fn("reference")
-        row["xla_ref_s"] = time_jax(ref, *args, iters=2, repeats=3)
-        o_ref, state_ref = ref(*args)
-        row["err_vs_ref_o"], row["err_vs_ref_state"] = rel_err(o, o_ref), rel_err(state, state_ref)
-    if not with_fla:
-        rows.append(row)
-        return
-    try:
+def prefill_args(x):
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"], x["A_log"], x["dt_bias"])
+
+
+class PrefillCase:
+    def __init__(self, name, lengths, heads, value_heads, lower_bound, with_reference, key):
+        self.lengths = [int(n) for n in lengths]
+        self.heads, self.value_heads, self.lower_bound, self.with_reference = heads, value_heads, lower_bound, \
+            with_reference
+        self.x = prefill_inputs(key, self.lengths, heads, value_heads)
+        self.row = dict(kind="prefill", name=name, H=heads, HV=value_heads, tokens=int(sum(self.lengths)),
+                        seqs=len(self.lengths), gate="lower_bound" if lower_bound is not None else "softplus",
+                        flops=prefill_flops(self.lengths, value_heads),
+                        bytes=prefill_bytes(self.lengths, heads, value_heads))
+        self.out = None
+
+    def call(self, impl):
+        return prefill_call(*prefill_args(self.x), impl=impl, lower_bound=self.lower_bound)
+
+    def compile(self, impl):
+        """First call (compile + one run), recorded as ``{impl}_first_call_s``; keeps the Pallas output."""
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.call(impl))
+        self.row[f"{'ours' if impl == 'pallas' else 'xla_ref'}_first_call_s"] = time.perf_counter() - start
+        if impl == "pallas":
+            self.out = out
+        else:
+            o_ref, state_ref = out
+            o, state = self.out if self.out is not None else self.call("pallas")
+            self.row["err_vs_ref_o"], self.row["err_vs_ref_state"] = rel_err(o, o_ref), rel_err(state, state_ref)
+
+    def time_ours(self):
+        self.row["ours_s"] = time_jax(lambda *a: prefill_call(*a, impl="pallas", lower_bound=self.lower_bound),
+                                      *prefill_args(self.x))
+        print(f"{self.row['name']}: ours {self.row['ours_s'] * 1e3:.3f} ms", flush=True)
+
+    def time_reference(self):
+        self.row["xla_ref_s"] = time_jax(lambda *a: prefill_call(*a, impl="reference", lower_bound=self.lower_bound),
+                                         *prefill_args(self.x), iters=2, repeats=3)
+        print(f"{self.row['name']}: xla reference {self.row['xla_ref_s'] * 1e3:.2f} ms", flush=True)
+
+    def time_fla(self):
         import torch
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
+        x, row = self.x, self.row
         t = {n: to_torch(x[n]) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
         cu = to_torch(x["cu_seqlens"]).long()
         fla_kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=t["A_log"], dt_bias=t["dt_bias"],
                       output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
-        if lower_bound is not None:
-            fla_kw.update(safe_gate=True, lower_bound=lower_bound)
+        if self.lower_bound is not None:
+            fla_kw.update(safe_gate=True, lower_bound=self.lower_bound)
         with torch.inference_mode():
-            fla = lambda: fla_chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **fla_kw)
+            fla = lambda: fla_chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **fla_kw)  # noqa: E731
+            start = time.perf_counter()
             o_fla, state_fla = fla()
+            torch.cuda.synchronize()
+            row["fla_first_call_s"] = time.perf_counter() - start
             row["fla_s"] = time_torch(fla)
+        o, state = self.out if self.out is not None else self.call("pallas")
         row["err_vs_fla_o"] = rel_err(o, o_fla.float().cpu().numpy())
         row["err_vs_fla_state"] = rel_err(state, state_fla.float().cpu().numpy())
-    except Exception as e:  # noqa: BLE001 - record the peer's failure, keep measuring ours
-        row["fla_error"] = repr(e)[:300]
-    rows.append(row)
+        print(f"{row['name']}: fla {row['fla_s'] * 1e3:.3f} ms (first call {row['fla_first_call_s']:.1f} s)",
+              flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -203,47 +247,57 @@ def decode_inputs(key, batch, heads, state_dtype):
 
 ARG_ORDER = ("mixed_qkv", "conv_weight", "conv_state", "g_raw", "beta_logits", "A_log", "dt_bias", "state", "slots",
              "gate_logits", "o_norm_weight")
+REST_ORDER = tuple(a for a in ARG_ORDER if a not in ("conv_state", "state"))
 
 
-def run_decode(batch, heads, state_dtype, check, with_reference, with_fla, rows, key):
-    x = decode_inputs(key, batch, heads, state_dtype)
-    state_bytes = 2 * batch * heads * HEAD_DIM * HEAD_DIM * jnp.dtype(state_dtype).itemsize
-    row = dict(kind="decode", B=batch, H=heads, state_dtype=jnp.dtype(state_dtype).name, state_bytes=state_bytes)
+@functools.partial(jax.jit, static_argnames=("impl",), donate_argnums=(0, 1))
+def decode_step(conv_state, state, *rest, impl):
+    return fused_recurrent_kda(conv_state=conv_state, state=state, lower_bound=LOWER_BOUND, impl=impl,
+                               **dict(zip(REST_ORDER, rest)))
 
-    def step_fn(impl):
-        def step(conv_state, state, *rest):
-            args = dict(zip([a for a in ARG_ORDER if a not in ("conv_state", "state")], rest))
-            return fused_recurrent_kda(conv_state=conv_state, state=state, lower_bound=LOWER_BOUND, impl=impl,
-                                       **args)
-        return jax.jit(step, donate_argnums=(0, 1))
 
-    rest = [x[a] for a in ARG_ORDER if a not in ("conv_state", "state")]
-    impls = (("pallas", "ours_s", 50), ("reference", "xla_ref_s", 10))[:2 if with_reference else 1]
-    for impl, label, iters in impls:
-        fn = step_fn(impl)
-        pools = [jnp.copy(x["conv_state"]), jnp.copy(x["state"])]
-        if check and impl == "pallas":
-            y, cs, st = fn(*pools, *rest)
-            y_r, cs_r, st_r = step_fn("reference")(jnp.copy(x["conv_state"]), jnp.copy(x["state"]), *rest)
+class DecodeCase:
+    def __init__(self, batch, heads, state_dtype, check, key):
+        self.batch, self.heads, self.check = batch, heads, check
+        self.x = decode_inputs(key, batch, heads, state_dtype)
+        self.rest = [self.x[a] for a in REST_ORDER]
+        state_bytes = 2 * batch * heads * HEAD_DIM * HEAD_DIM * jnp.dtype(state_dtype).itemsize
+        self.row = dict(kind="decode", B=batch, H=heads, state_dtype=jnp.dtype(state_dtype).name,
+                        state_bytes=state_bytes)
+        self.name = f"decode H{heads} B{batch} {self.row['state_dtype']}"
+
+    def pools(self):
+        return [jnp.copy(self.x["conv_state"]), jnp.copy(self.x["state"])]
+
+    def compile(self, impl):
+        start = time.perf_counter()
+        out = jax.block_until_ready(decode_step(*self.pools(), *self.rest, impl=impl))
+        self.row[f"{'ours' if impl == 'pallas' else 'xla_ref'}_first_call_s"] = time.perf_counter() - start
+        if self.check and impl == "reference":
+            y, cs, st = decode_step(*self.pools(), *self.rest, impl="pallas")
+            y_r, cs_r, st_r = out
+            row = self.row
             row["err_vs_ref_y"], row["err_vs_ref_state"] = rel_err(y, y_r), rel_err(st, st_r)
             row["err_vs_ref_conv"] = rel_err(cs, cs_r)
-            print(f"check decode H{heads} B{batch} {row['state_dtype']}: rel err y {row['err_vs_ref_y']:.1e} "
-                  f"state {row['err_vs_ref_state']:.1e} conv {row['err_vs_ref_conv']:.1e}", flush=True)
-            pools = [cs, st]
+            print(f"check {self.name}: rel err y {row['err_vs_ref_y']:.1e} state {row['err_vs_ref_state']:.1e} "
+                  f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
-        def run(pools=pools, fn=fn):
-            pools[:] = fn(*pools, *rest)[1:]
+    def time(self, impl):
+        label, iters = ("ours_s", 50) if impl == "pallas" else ("xla_ref_s", 10)
+        pools = self.pools()
+
+        def run():
+            pools[:] = decode_step(*pools, *self.rest, impl=impl)[1:]
             return pools[1]
 
-        row[label] = time_jax(run, iters=iters)
-        print(f"decode H{heads} B{batch} {row['state_dtype']}: {impl} {row[label] * 1e6:.1f} us", flush=True)
-    if not with_fla:
-        rows.append(row)
-        return
-    try:
+        self.row[label] = time_jax(run, iters=iters)
+        print(f"{self.name}: {impl} {self.row[label] * 1e6:.1f} us", flush=True)
+
+    def time_fla(self):
         import torch
         from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
 
+        batch, heads, x = self.batch, self.heads, self.x
         tq = torch.randn(batch, 1, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         tk, tv = torch.randn_like(tq), torch.randn_like(tq)
         tg = torch.randn_like(tq)
@@ -253,10 +307,84 @@ def run_decode(batch, heads, state_dtype, check, with_reference, with_fla, rows,
                   output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                   lower_bound=LOWER_BOUND)
         with torch.inference_mode():
-            row["fla_s"] = time_torch(lambda: fla_fused_recurrent_kda(tq, tk, tv, tg, tb, **kw))
-    except Exception as e:  # noqa: BLE001
-        row["fla_error"] = repr(e)[:300]
-    rows.append(row)
+            self.row["fla_s"] = time_torch(lambda: fla_fused_recurrent_kda(tq, tk, tv, tg, tb, **kw))
+        print(f"{self.name}: fla {self.row['fla_s'] * 1e6:.1f} us", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FLA autotune warm-up (child process)
+
+
+def fla_warmup(heads, decode):
+    """Compile every autotune config of FLA's chunk_kda at this head count (and its fused_recurrent_kda for the
+    decode head counts) into Triton's on-disk kernel cache: each config is launched once and given the same fake
+    time, and (FLA_CACHE_RESULTS=0, set by the parent) no autotune result is stored. The parent's own autotuning
+    then finds every binary compiled and only benchmarks."""
+    import torch
+    from triton.runtime import autotuner
+
+    def one_launch(kernel_call, quantiles=None, **_):
+        kernel_call()
+        torch.cuda.synchronize()
+        return [1.0, 1.0, 1.0] if quantiles else 1.0
+
+    autotuner.Autotuner.do_bench = property(lambda self: one_launch)
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+
+    dev, bf16 = "cuda", torch.bfloat16
+    total = 1024
+    q = torch.randn(1, total, heads, HEAD_DIM, device=dev, dtype=bf16)
+    k, v, g = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    beta = torch.rand(1, total, heads, device=dev, dtype=bf16)
+    A_log = torch.rand(heads, device=dev, dtype=torch.float32)
+    dt_bias = torch.randn(heads * HEAD_DIM, device=dev, dtype=torch.float32)
+    cu = torch.tensor([0, total], device=dev, dtype=torch.long)
+    gates = [dict(safe_gate=True, lower_bound=LOWER_BOUND)] + ([{}] if heads == 32 else [])
+    with torch.inference_mode():
+        for gate in gates:
+            start = time.perf_counter()
+            fla_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                          dt_bias=dt_bias, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **gate)
+            torch.cuda.synchronize()
+            print(f"warm-up chunk_kda H{heads} {gate}: {time.perf_counter() - start:.1f} s", flush=True)
+        if decode:
+            for dtype in (torch.float32, bf16):
+                start = time.perf_counter()
+                h0 = torch.randn(1, heads, HEAD_DIM, HEAD_DIM, device=dev, dtype=torch.float32).to(dtype)
+                fla_fused_recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], A_log=A_log,
+                                        dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                        lower_bound=LOWER_BOUND)
+                torch.cuda.synchronize()
+                print(f"warm-up fused_recurrent_kda H{heads} {dtype}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def spawn_warmups(head_counts, decode_heads, out_dir):
+    env = dict(os.environ, FLA_CACHE_RESULTS="0", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    children = []
+    for h in head_counts:
+        log = open(os.path.join(out_dir, f"fla_warmup_H{h}.log"), "w")
+        cmd = [sys.executable, os.path.abspath(__file__), "--fla-warmup", str(h)]
+        if h in decode_heads:
+            cmd.append("--fla-warmup-decode")
+        children.append((h, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
+    return children
+
+
+def wait_warmups(children, deadline_s):
+    """Wait for the children until ``deadline_s`` (seconds since start); stop any still running then."""
+    status = {}
+    for h, proc in children:
+        try:
+            proc.wait(timeout=max(1.0, deadline_s - elapsed()))
+            status[h] = f"done rc={proc.returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()  # our own child, by handle
+            proc.wait()
+            status[h] = "stopped at deadline"
+    print(f"FLA warm-up children: {status} at {elapsed():.0f} s", flush=True)
+    return status
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -264,91 +392,187 @@ def run_decode(batch, heads, state_dtype, check, with_reference, with_fla, rows,
 
 def print_table(ceilings, rows):
     bw, mm = ceilings.get("copy_bytes_per_s", float("nan")), ceilings.get("bf16_matmul_flops", float("nan"))
+    nan = float("nan")
     print(f"\ndevice: {jax.devices()[0].device_kind}; copy {bw / 1e12:.2f} TB/s; bf16 matmul {mm / 1e12:.0f} TFLOP/s")
-    print(f"{'prefill':<26}{'ours ms':>9}{'fla ms':>9}{'xla ms':>9}{'x fla':>7}{'Mtok/s':>8}{'TFLOP/s':>9}"
-          f"{'TB/s':>6}{'err_fla':>9}{'err_ref':>9}")
+    print(f"{'prefill':<24}{'ours ms':>9}{'fla ms':>9}{'xla ms':>9}{'x fla':>7}{'Mtok/s':>8}{'TFLOP/s':>9}{'%mm':>5}"
+          f"{'TB/s':>6}{'%BW':>5}{'fla TF/s':>9}{'err_fla':>9}{'err_ref':>9}")
     for r in rows:
         if r["kind"] != "prefill":
             continue
-        if "error" in r:
-            print(f"{r['name']:<26} ERROR {r['error'][:120]}")
-            continue
-        ours, fla, xla = r.get("ours_s", float("nan")), r.get("fla_s", float("nan")), r.get("xla_ref_s", float("nan"))
-        print(f"{r['name']:<26}{ours * 1e3:9.3f}{fla * 1e3:9.3f}{xla * 1e3:9.2f}{fla / ours:7.2f}"
-              f"{r['tokens'] / ours / 1e6:8.2f}{r['flops'] / ours / 1e12:9.1f}{r['bytes'] / ours / 1e12:6.2f}"
-              f"{r.get('err_vs_fla_o', float('nan')):9.1e}{r.get('err_vs_ref_o', float('nan')):9.1e}")
-    print(f"{'decode':<26}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'TB/s':>8}{'%copy':>7}{'fla TB/s':>9}"
-          f"{'err_ref':>9}")
+        ours, fla, xla = r.get("ours_s", nan), r.get("fla_s", nan), r.get("xla_ref_s", nan)
+        print(f"{r['name']:<24}{ours * 1e3:9.3f}{fla * 1e3:9.3f}{xla * 1e3:9.2f}{fla / ours:7.2f}"
+              f"{r['tokens'] / ours / 1e6:8.2f}{r['flops'] / ours / 1e12:9.1f}{100 * r['flops'] / ours / mm:5.1f}"
+              f"{r['bytes'] / ours / 1e12:6.2f}{100 * r['bytes'] / ours / bw:5.0f}{r['flops'] / fla / 1e12:9.1f}"
+              f"{r.get('err_vs_fla_o', nan):9.1e}{r.get('err_vs_ref_o', nan):9.1e}"
+              + (f"  ERROR {r['error'][:100]}" if "error" in r else "")
+              + (f"  FLA ERROR {r['fla_error'][:100]}" if "fla_error" in r else ""))
+    print(f"{'decode':<24}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'Ktok/s':>8}{'TB/s':>8}{'%copy':>7}"
+          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}")
     for r in rows:
         if r["kind"] != "decode":
             continue
         name = f"H{r['H']} B{r['B']} {r['state_dtype']}"
-        if "error" in r:
-            print(f"{name:<26} ERROR {r['error'][:120]}")
-            continue
-        ours, fla, xla = r.get("ours_s", float("nan")), r.get("fla_s", float("nan")), r.get("xla_ref_s", float("nan"))
-        print(f"{name:<26}{ours * 1e6:9.1f}{fla * 1e6:9.1f}{xla * 1e6:9.1f}{fla / ours:7.2f}"
+        ours, fla, xla = r.get("ours_s", nan), r.get("fla_s", nan), r.get("xla_ref_s", nan)
+        print(f"{name:<24}{ours * 1e6:9.1f}{fla * 1e6:9.1f}{xla * 1e6:9.1f}{fla / ours:7.2f}{r['B'] / ours / 1e3:8.1f}"
               f"{r['state_bytes'] / ours / 1e12:8.2f}{100 * r['state_bytes'] / ours / bw:7.0f}"
-              f"{r['state_bytes'] / fla / 1e12:9.2f}{r.get('err_vs_ref_y', float('nan')):9.1e}")
+              f"{r['state_bytes'] / fla / 1e12:9.2f}{100 * r['state_bytes'] / fla / bw:7.0f}"
+              f"{r.get('err_vs_ref_y', nan):9.1e}"
+              + (f"  ERROR {r['error'][:100]}" if "error" in r else "")
+              + (f"  FLA ERROR {r['fla_error'][:100]}" if "fla_error" in r else ""))
+
+
+def suite_cases(suite, rng):
+    """(prefill [(name, lengths, H, HV, lower_bound, with_reference)], decode [(B, H, state dtype, check)])."""
+    if suite == "tiny":  # CPU smoke test of the script itself (interpret mode)
+        return [("tiny", [100, 28], 2, 2, LOWER_BOUND, True)], [(2, 2, jnp.float32, True)]
+    if suite == "decode-check":
+        return [], [(16, 32, jnp.float32, True), (16, 32, jnp.bfloat16, True)]
+    if suite == "smoke":
+        return ([("H32 T8K", [8192], 32, 32, LOWER_BOUND, False)],
+                [(64, 32, jnp.float32, False), (64, 96, jnp.float32, False)])
+    if suite == "quick":
+        return ([("H32 T8K", [8192], 32, 32, LOWER_BOUND, True),
+                 ("varlen8 H12 1-4K", list(rng.integers(1024, 4097, 8)), 12, 12, LOWER_BOUND, False)],
+                [(64, 32, jnp.float32, True), (64, 32, jnp.bfloat16, False)])
+    # full: the XLA reference everywhere but H=96 T=32K (its compile + run would not fit the call's budget)
+    prefill = [(f"H{h} T{t // 1024}K", [t], h, h, LOWER_BOUND, not (h == 96 and t == 32768))
+               for h in (12, 32, 96) for t in (1024, 8192, 32768)]
+    prefill += [("H32 T8K softplus", [8192], 32, 32, None, True),
+                ("varlen8 H32 1-4K", list(rng.integers(1024, 4097, 8)), 32, 32, LOWER_BOUND, True)]
+    decode = [(b, h, dt, b == 16) for h in (32, 96) for b in (1, 16, 64, 256) for dt in (jnp.float32, jnp.bfloat16)]
+    return prefill, decode
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=("decode-check", "smoke", "quick", "full"), default="full")
+    parser.add_argument("--suite", choices=("tiny", "decode-check", "smoke", "quick", "full"), default="full")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (its autotuning is slow)")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-ceilings", action="store_true")
+    parser.add_argument("--no-warmup", action="store_true", help="no parallel FLA compile warm-up children")
+    parser.add_argument("--warmup-deadline-s", type=float, default=300.0,
+                        help="stop the FLA warm-up children at this many seconds from the start")
+    parser.add_argument("--ref-compile-deadline-s", type=float, default=240.0,
+                        help="compile XLA references in phase 2 only until this many seconds from the start")
+    parser.add_argument("--deadline-s", type=float, default=500.0,
+                        help="after this many seconds skip the XLA reference work still left")
+    parser.add_argument("--fla-warmup", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fla-warmup-decode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # the Pallas Triton backend warns per lowering
+    if args.fla_warmup is not None:
+        fla_warmup(args.fla_warmup, args.fla_warmup_decode)
+        return
+    os.makedirs(args.out, exist_ok=True)
     key = jax.random.PRNGKey(0)
     rng = np.random.default_rng(0)
-    ceilings, rows, checks = {}, [], {}
-    try:
-        ceilings = {} if args.no_ceilings else device_ceilings()
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-    if not args.no_checks:
+    report = dict(ceilings={}, checks={}, rows=[], device=jax.devices()[0].device_kind, suite=args.suite,
+                  skipped=[], phases={})
+
+    def save():
+        report["elapsed_s"] = elapsed()
+        with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    def guarded(row, what, fn, error_key="error"):
         try:
-            checks = correctness_checks(key)
+            fn()
+        except Exception as e:  # noqa: BLE001 - record the failure, keep measuring
+            traceback.print_exc()
+            row[error_key] = f"{what}: {e!r}"[:500]
+        save()
+
+    # Phase 1: ceilings, on a quiet GPU.
+    if not args.no_ceilings:
+        try:
+            report["ceilings"] = device_ceilings()
+            c = report["ceilings"]
+            print(f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {c['bf16_matmul_flops'] / 1e12:.0f} "
+                  f"TFLOP/s", flush=True)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    if args.suite == "decode-check":
-        prefill = []
-        decode = [(16, 32, jnp.float32, True), (16, 32, jnp.bfloat16, True)]
-    elif args.suite == "smoke":
-        prefill = [("H32 T8K", [8192], 32, 32, LOWER_BOUND, False)]
-        decode = [(64, 32, jnp.float32, False), (64, 96, jnp.float32, False)]
-    elif args.suite == "quick":
-        prefill = [("H32 T8K", [8192], 32, 32, LOWER_BOUND, True),
-                   ("varlen8 H12 1-4K", list(rng.integers(1024, 4097, 8)), 12, 12, LOWER_BOUND, False)]
-        decode = [(64, 32, jnp.float32, True), (64, 32, jnp.bfloat16, False)]
-    else:
-        prefill = [(f"H{h} T{t // 1024}K", [t], h, h, LOWER_BOUND, t <= 8192 and h <= 32)
-                   for h in (12, 32, 96) for t in (1024, 8192, 32768)]
-        prefill += [("H32 T8K softplus", [8192], 32, 32, None, False),
-                    ("varlen8 H32 1-4K", list(rng.integers(1024, 4097, 8)), 32, 32, LOWER_BOUND, False)]
-        decode = [(b, h, dt, b == 16) for h in (32, 96) for b in (1, 16, 64, 256) for dt in (jnp.float32, jnp.bfloat16)]
-    for name, lengths, h, hv, lb, with_ref in prefill:
+    report["phases"]["ceilings_done_s"] = elapsed()
+    save()
+
+    prefill_specs, decode_specs = suite_cases(args.suite, rng)
+    with_fla = not args.no_fla
+    children = []
+    if with_fla and not args.no_warmup:
+        heads = sorted({h for _, _, h, _, _, _ in prefill_specs} | {h for _, h, _, _ in decode_specs})
+        children = spawn_warmups(heads, {h for _, h, _, _ in decode_specs}, args.out)
+
+    # Phase 2: compile ours (and the references) and check correctness; nothing timed while children run.
+    prefill, decode = [], []
+    for name, lengths, h, hv, lb, with_ref in prefill_specs:
         key, sub = jax.random.split(key)
-        try:
-            run_prefill(name, [int(n) for n in lengths], h, hv, lb, with_ref and not args.no_ref, not args.no_fla,
-                        rows, sub)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            rows.append(dict(kind="prefill", name=name, error=repr(e)[:500]))
-    for batch, h, dt, check in decode:
+        case = PrefillCase(name, lengths, h, hv, lb, with_ref and not args.no_ref, sub)
+        prefill.append(case)
+        report["rows"].append(case.row)
+        guarded(case.row, "ours compile", lambda: case.compile("pallas"))
+        print(f"{name}: ours first call {case.row.get('ours_first_call_s', float('nan')):.1f} s at {elapsed():.0f} s",
+              flush=True)
+    for batch, h, dt, check in decode_specs:
         key, sub = jax.random.split(key)
+        case = DecodeCase(batch, h, dt, check, sub)
+        decode.append(case)
+        report["rows"].append(case.row)
+        guarded(case.row, "ours compile", lambda: case.compile("pallas"))
+    print(f"ours compiled at {elapsed():.0f} s", flush=True)
+    if not args.no_checks:
         try:
-            run_decode(batch, h, dt, check, not args.no_ref, not args.no_fla, rows, sub)
-        except Exception as e:  # noqa: BLE001
+            report["checks"] = correctness_checks(key)
+        except Exception:  # noqa: BLE001
             traceback.print_exc()
-            rows.append(dict(kind="decode", B=batch, H=h, state_dtype=jnp.dtype(dt).name, error=repr(e)[:500]))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
-        json.dump(dict(ceilings=ceilings, checks=checks, rows=rows, device=jax.devices()[0].device_kind), f, indent=1, default=str)
-    print_table(ceilings, rows)
+        save()
+    if not args.no_ref:
+        for case in decode:
+            guarded(case.row, "xla reference compile", lambda: case.compile("reference"))
+        for case in prefill:
+            if case.with_reference and elapsed() < args.ref_compile_deadline_s:
+                guarded(case.row, "xla reference compile", lambda: case.compile("reference"))
+                print(f"{case.row['name']}: xla reference first call {case.row.get('xla_ref_first_call_s', 0):.1f} s "
+                      f"at {elapsed():.0f} s", flush=True)
+    report["phases"]["compile_done_s"] = elapsed()
+    if children:
+        report["fla_warmup"] = wait_warmups(children, args.warmup_deadline_s)
+    report["phases"]["warmup_done_s"] = elapsed()
+    save()
+
+    # Phase 3: timings with the GPU to ourselves: ours, then FLA (decode first: no autotuning; then prefill,
+    # H=32 first), then the XLA references.
+    for case in prefill:
+        if "ours_first_call_s" in case.row:
+            guarded(case.row, "ours", case.time_ours)
+    for case in decode:
+        if "ours_first_call_s" in case.row:
+            guarded(case.row, "ours", lambda: case.time("pallas"))
+    report["phases"]["ours_done_s"] = elapsed()
+    if with_fla:
+        for case in decode:
+            guarded(case.row, "fla", case.time_fla, error_key="fla_error")
+        for case in sorted(prefill, key=lambda c: {32: 0, 96: 1}.get(c.heads, 2)):
+            guarded(case.row, "fla", case.time_fla, error_key="fla_error")
+    report["phases"]["fla_done_s"] = elapsed()
+    if not args.no_ref:
+        for case in decode:
+            if "xla_ref_first_call_s" in case.row and elapsed() < args.deadline_s:
+                guarded(case.row, "xla reference", lambda: case.time("reference"))
+        for case in prefill:
+            if not case.with_reference:
+                continue
+            if elapsed() > args.deadline_s:
+                report["skipped"].append(f"xla reference {case.row['name']}")
+                continue
+            if "xla_ref_first_call_s" not in case.row:
+                guarded(case.row, "xla reference compile", lambda: case.compile("reference"))
+            if "xla_ref_first_call_s" in case.row:
+                guarded(case.row, "xla reference", case.time_reference)
+    report["phases"]["done_s"] = elapsed()
+    save()
+    print_table(report["ceilings"], report["rows"])
+    print("skipped:", report["skipped"], f"total {elapsed():.0f} s", flush=True)
 
 
 if __name__ == "__main__":

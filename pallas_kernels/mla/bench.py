@@ -4,7 +4,10 @@ Run on the GPU machine: ``PYTHONPATH=. python3 pallas_kernels/mla/bench.py`` (wr
 One run measures, in order: the copy bandwidth and bf16 matmul rate (the roofline ceilings), correctness of
 every kernel against the fp32 XLA reference, a decode tiling sweep per head count, 8K-token prefill (absorbed
 and un-absorbed) over 0 / 32K cached tokens, then the decode grid (H x batch x context, XLA reference at batch
-16, fp8 cache at 32K). Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64, K_nope=V=128, block_size=64, scale=192**-0.5.
+16, fp8 cache at 32K). Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64,
+K_nope=V=128, block_size=64, scale=192**-0.5. Without the ``sweep`` section the decode grid uses
+``choose_tiling``'s defaults. Prefill times every tiling at 0 cached tokens and the two fastest of each form at
+32K. The JSON is rewritten after every row (a timeout keeps what was measured).
 """
 
 from __future__ import annotations
@@ -154,13 +157,17 @@ DECODE_VARIANTS = {
 }  # fmt: skip
 
 
+_SAVE = [lambda: None]  # main() installs the JSON writer: every row is saved as soon as it is measured
+
+
 def guarded(row: dict, measure) -> dict:
     """Run ``measure(row)``; a compile / runtime failure is recorded in the row instead of ending the run."""
     try:
         measure(row)
     except Exception as e:
         row["error"] = repr(e)[:300]
-    print(row)
+    print(row, flush=True)
+    _SAVE[0]()
     return row
 
 
@@ -187,6 +194,14 @@ def run_prefill(report: dict, ceil: dict, over) -> None:
     report["prefill"] = []
     num_heads, new = PREFILL_HEADS, PREFILL_NEW
     mm_rate = ceil["bf16_matmul_flops_per_s"]
+    absorbed_tiles = [(16, 4, 4), (8, 8, 4), (16, 8, 8), (32, 4, 8)]
+    unabsorbed_tiles = [(64, 64), (128, 64), (128, 32)]
+
+    def fastest(form, keys, tiles):
+        """After the first context: keep the two tilings that were fastest there (saves the budget at 32K)."""
+        done = {tuple(r[k] for k in keys): r["ms"] for r in report["prefill"] if r.get("form") == form and "ms" in r}
+        return sorted(tiles, key=lambda t: done.get(t, float("inf")))[:2] if done else tiles
+
     for cached in PREFILL_CACHED:
         if over():
             report["skipped"].append(f"prefill cached={cached}")
@@ -197,7 +212,8 @@ def run_prefill(report: dict, ceil: dict, over) -> None:
         cu = jnp.asarray([0, new], jnp.int32)
         q = jax.random.normal(jax.random.key(8), (new, num_heads, W), jnp.bfloat16)
         flops_abs = 2 * pairs * num_heads * (W + R)
-        for bq, bh, warps in ((16, 4, 4), (8, 8, 4), (16, 8, 8), (32, 4, 8)):
+        for bq, bh, warps in (absorbed_tiles if cached == PREFILL_CACHED[0] else
+                              fastest("absorbed", ("block_q", "block_h", "num_warps"), absorbed_tiles)):
 
             def measure(row, bq=bq, bh=bh, warps=warps):
                 fn = jax.jit(lambda *a: mla_paged_attention_pallas(
@@ -221,7 +237,8 @@ def run_prefill(report: dict, ceil: dict, over) -> None:
         up_sec = time_call(up_project, pages, tables, target_s=0.2, max_reps=5)
         cu_kv = jnp.asarray([0, total], jnp.int32)
         flops_mha = 2 * pairs * num_heads * (K_NOPE + K_ROPE + V_DIM)
-        for bq, bk in ((64, 64), (128, 64), (128, 32)):
+        for bq, bk in (unabsorbed_tiles if cached == PREFILL_CACHED[0] else
+                       fastest("unabsorbed", ("block_q", "block_k"), unabsorbed_tiles)):
 
             def measure(row, bq=bq, bk=bk):
                 fn = jax.jit(lambda *a: mla_prefill_attention_pallas(*a, scale=SCALE, block_q=bq, block_k=bk))
@@ -302,18 +319,25 @@ def main() -> None:
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "skipped": []}
 
     def save():
+        report["elapsed_s"] = time.perf_counter() - t0
         with open(os.path.join(args.out, "mla_bench.json"), "w") as f:
             json.dump(report, f, indent=1)
 
+    _SAVE[0] = save
+
     ceil = report["ceilings"] = ceilings()
-    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 mm {ceil['bf16_matmul_flops_per_s'] / 1e12:.0f} TF/s")
+    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 mm {ceil['bf16_matmul_flops_per_s'] / 1e12:.0f} TF/s",
+          flush=True)
+    save()
     if "correctness" in sections:
         report["correctness"] = guarded({}, check_correctness)
         save()
     best = {}
-    if "sweep" in sections or "decode" in sections:
+    if "sweep" in sections:
         best = run_sweep(report)
         save()
+    elif "decode" in sections:  # no sweep: choose_tiling's defaults (they encode the H200 sweep's winners)
+        best = {num_heads: ({}, float("nan")) for num_heads in HEADS}
     if "prefill" in sections:
         run_prefill(report, ceil, over)
         save()
