@@ -130,7 +130,8 @@ class TokenLayout:
 
 def token_layout(step: StepInputs) -> TokenLayout:
     rows = jnp.arange(step.num_tokens, dtype=jnp.int32)
-    seq_ids = jnp.searchsorted(step.cu_seqlens, rows, side="right").astype(jnp.int32) - 1
+    # "scan_unrolled": no while loop, which XLA:GPU would run by reading its predicate on the host (a sync)
+    seq_ids = jnp.searchsorted(step.cu_seqlens, rows, side="right", method="scan_unrolled").astype(jnp.int32) - 1
     valid = rows < step.cu_seqlens[-1]
     seq_ids = jnp.where(valid, seq_ids, step.num_seqs)
     safe = jnp.minimum(seq_ids, step.num_seqs - 1)

@@ -41,7 +41,7 @@ def _random_mxfp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> tuple[n
     """Random codes (all 16 values occur) with one E8M0 scale giving roughly N(0, std^2)-sized weights.
 
     shape is the unpacked ``[..., out, in]``; returns packed ``[..., out, in/2]`` and scales ``[..., out, in/32]``."""
-    packed = jax.random.randint(rngs.params(), (*shape[:-1], shape[-1] // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    packed = jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8)  # no int32 temporary
     exponent = 127 + int(np.round(np.log2(std / E2M1_RMS)))
     scales = jnp.full((*shape[:-1], shape[-1] // 32), exponent, jnp.uint8)
     return nnx.Param(packed), nnx.Param(scales)
@@ -108,9 +108,9 @@ def _expert_matmul(p: MoEStack, name: str, j: int, xs: jax.Array, sizes: jax.Arr
     packed = getattr(p, f"{name}_packed", None)
     if resolve_impl(impl) == "pallas":
         if packed is not None:
-            return gemm_ops.mxfp4_grouped_matmul(xs, packed[j], getattr(p, f"{name}_scale")[j], sizes,
+            return gemm_ops.mxfp4_grouped_matmul(xs, packed, getattr(p, f"{name}_scale"), sizes, layer=j,
                                                  impl="pallas").astype(F32)
-        return gemm_ops.grouped_matmul(xs, getattr(p, name)[j], sizes, impl="pallas").astype(F32)
+        return gemm_ops.grouped_matmul(xs, getattr(p, name), sizes, layer=j, impl="pallas").astype(F32)
     if packed is not None:
         w = jnp.swapaxes(mxfp4.dequantize(packed[j], getattr(p, f"{name}_scale")[j], dtype=xs.dtype), -1, -2)
     else:

@@ -247,7 +247,7 @@ def _chunk_plan(cu_seqlens, num_seqs, num_tokens):
     chunk_end = jnp.cumsum(num_chunks)
     chunk0 = chunk_end - num_chunks
     index = jnp.arange(max_chunks, dtype=jnp.int32)
-    seq = jnp.searchsorted(chunk_end, index, side="right")
+    seq = jnp.searchsorted(chunk_end, index, side="right", method="scan_unrolled")
     safe = jnp.minimum(seq, num_seqs - 1)
     local = index - chunk0[safe]
     chunk_bos = cu_seqlens[safe] + local * CHUNK

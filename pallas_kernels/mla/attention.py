@@ -63,7 +63,8 @@ def plan_tiles(cu_q_lens, num_tiles: int, block_q: int):
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     cu_tiles = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(pl.cdiv(q_lens, block_q))]).astype(jnp.int32)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.clip(jnp.searchsorted(cu_tiles, tile, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
+    tile_seq = jnp.searchsorted(cu_tiles, tile, side="right", method="scan_unrolled")  # no while loop: no host sync
+    tile_seq = jnp.clip(tile_seq - 1, 0, num_seqs - 1).astype(jnp.int32)
     tile_q0 = (tile - cu_tiles[tile_seq]) * block_q
     tile_q0 = jnp.where(tile < cu_tiles[num_seqs], tile_q0, block_q * 2**20)
     return tile_seq, tile_q0

@@ -49,11 +49,12 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
     return _e2m1_to_bf16(codes) * s.reshape(bn, 2 * half)
 
 
-def _grouped_kernel(sched_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
+def _grouped_kernel(sched_ref, x_ref, *refs, num_experts, expert_offset, block_m, block_n, block_k, weight_format,
                     weights_lhs):
     *w_refs, o_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
-    expert, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
+    group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
+    expert = group + expert_offset  # row of the weight arrays
     rows = pl.ds(first_row, block_m)
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     row_mask = (first_row + jnp.arange(block_m)) < end_row
@@ -79,40 +80,48 @@ def _grouped_kernel(sched_ref, x_ref, *refs, num_experts, block_m, block_n, bloc
             return acc + jnp.dot(weight_tile(k), x.T, preferred_element_type=jnp.float32)
         return acc + jnp.dot(x, weight_tile(k).T, preferred_element_type=jnp.float32)
 
-    @pl.when((expert >= 0) & (expert < num_experts))
+    @pl.when((group >= 0) & (group < num_experts))
     def _():
         acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
         acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros(acc_shape, jnp.float32))
         acc = acc.T if weights_lhs else acc
         pltriton.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_mask[:, None])
 
-    @pl.when(expert == num_experts)  # rows past sum(group_sizes)
+    @pl.when(group == num_experts)  # rows past sum(group_sizes)
     def _():
         pltriton.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs"))
+@functools.partial(jax.jit, static_argnames=("weight_format", "expert_offset", "block_m", "block_n", "block_k",
+                                             "num_warps", "num_stages", "weights_lhs"))
 def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
-                        weight_format: str, block_m: int = 16, block_n: int = 64, block_k: int = 128,
-                        num_warps: int = 4, num_stages: int = 3, weights_lhs: bool = False) -> jax.Array:
-    """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E, K, N],)`` for ``"bf16"``,
-    ``(w [E, N, K],)`` for ``"bf16_nk"`` or ``(packed [E, N, K/2], scales [E, N, K/32])`` for ``"mxfp4"``
-    -> ``[M, N]`` in ``x.dtype`` (fp32 accumulation;
+                        weight_format: str, expert_offset: int = 0, block_m: int = 16, block_n: int = 64,
+                        block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                        weights_lhs: bool = False) -> jax.Array:
+    """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E', K, N],)`` for ``"bf16"``,
+    ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``;
+    group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (so the experts of every layer can be
+    passed as one ``[L*E, ...]`` bitcast of the stacked parameter: a slice ``w[layer]`` handed to a custom call
+    is copied by XLA, 1.2 GB per call at Kimi-Linear shapes) -> ``[M, N]`` in ``x.dtype`` (fp32 accumulation;
     rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
     dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation)."""
     num_rows, dim_k = x.shape
+    num_experts = group_sizes.shape[0]
     if weight_format == "bf16":
-        num_experts, _, dim_n = weights[0].shape
+        dim_n = weights[0].shape[2]
     elif weight_format in ("bf16_nk", "mxfp4"):
-        num_experts, dim_n, _ = weights[0].shape
+        dim_n = weights[0].shape[1]
     else:
         raise ValueError(f"unknown weight_format {weight_format!r}")
+    if not 0 <= expert_offset <= weights[0].shape[0] - num_experts:
+        raise ValueError(f"expert_offset={expert_offset} + {num_experts} groups exceeds {weights[0].shape[0]} "
+                         f"weight rows")
     if dim_k % block_k or dim_n % block_n or (weight_format == "mxfp4" and block_k % MX_BLOCK):
         raise ValueError(f"K={dim_k} / N={dim_n} must be multiples of block_k={block_k} / block_n={block_n}")
     schedule = make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)  # noqa: E731 - full-array ref
-    kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
+    kernel = functools.partial(_grouped_kernel, num_experts=num_experts, expert_offset=expert_offset,
+                               block_m=block_m, block_n=block_n,
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs)
     return pl.pallas_call(
         kernel,

@@ -34,18 +34,33 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     return {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
 
 
+def _flatten_layers(layer: int | None, *weights: jax.Array) -> tuple[tuple[jax.Array, ...], int]:
+    """Stacked ``[L, E, ...]`` weights -> their ``[L*E, ...]`` bitcasts and the offset of ``layer``'s experts
+    (a slice ``w[layer]`` fed to the kernel would be copied by XLA on every call)."""
+    if layer is None:
+        return weights, 0
+    num_layers, num_experts = weights[0].shape[:2]
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer} out of range for {num_layers} stacked layers")
+    return tuple(w.reshape(num_layers * num_experts, *w.shape[2:]) for w in weights), layer * num_experts
+
+
 def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, group_sizes: jax.Array, *,
-                         impl: str | None = None) -> jax.Array:
+                         layer: int | None = None, impl: str | None = None) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert, ``packed [E, N, K/2]`` uint8, ``scales [E, N, K/32]`` uint8
     (compressed-tensors layout), ``group_sizes [E]`` int32 -> ``x @ W_e.T`` ``[M, N]`` in ``x.dtype``.
+    With ``layer`` (a Python int), packed / scales are stacked ``[L, E, ...]`` and layer ``layer`` is used.
 
     fp32 accumulation; rows at or past ``sum(group_sizes)`` (which must be ``<= M``) are zero.
     """
     if resolve_impl(impl) == "reference":
+        if layer is not None:
+            packed, scales = packed[layer], scales[layer]
         return mxfp4_grouped_matmul_reference(x, packed, scales, group_sizes)
-    num_experts, dim_n, _ = packed.shape
-    cfg = tile_config(x.shape[0], num_experts, dim_n, x.shape[1], "mxfp4")
-    return grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4", **cfg)
+    (packed, scales), offset = _flatten_layers(layer, packed, scales)
+    cfg = tile_config(x.shape[0], group_sizes.shape[0], packed.shape[1], x.shape[1], "mxfp4")
+    return grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4", expert_offset=offset,
+                               **cfg)
 
 
 def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: str | None = None) -> jax.Array:
@@ -63,15 +78,19 @@ def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: st
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-                   impl: str | None = None) -> jax.Array:
+                   layer: int | None = None, impl: str | None = None) -> jax.Array:
     """bf16 grouped GEMM: ``x [M, K]`` rows sorted by expert, ``w [E, K, N]`` (``[E, N, K]`` with
     ``transpose_rhs``, the torch ``[out, in]`` layout), ``group_sizes [E]`` -> ``[M, N]`` in ``x.dtype``.
+    With ``layer`` (a Python int), ``w`` is stacked ``[L, E, ...]`` and layer ``layer`` is used.
 
     Same contract as ``jax.lax.ragged_dot`` (rows past ``sum(group_sizes)`` are zero) without its dense-masked
     GPU lowering.
     """
     if resolve_impl(impl) == "reference":
+        w = w if layer is None else w[layer]
         return grouped_matmul_reference(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
+    (w,), offset = _flatten_layers(layer, w)
     dim_n, dim_k = (w.shape[1], w.shape[2]) if transpose_rhs else (w.shape[2], w.shape[1])
-    cfg = tile_config(x.shape[0], w.shape[0], dim_n, dim_k, "bf16")
-    return grouped_gemm_pallas(x, (w,), group_sizes, weight_format="bf16_nk" if transpose_rhs else "bf16", **cfg)
+    cfg = tile_config(x.shape[0], group_sizes.shape[0], dim_n, dim_k, "bf16")
+    return grouped_gemm_pallas(x, (w,), group_sizes, weight_format="bf16_nk" if transpose_rhs else "bf16",
+                               expert_offset=offset, **cfg)

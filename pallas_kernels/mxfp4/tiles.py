@@ -27,7 +27,8 @@ def make_tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> j
     tile_ends = jnp.cumsum(tiles_per_group)
     num_tiles = max_num_tiles(num_rows, group_sizes.shape[0], block_m)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_ends, tile, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+    group = jnp.searchsorted(tile_ends, tile, side="right", method="scan_unrolled")  # no while loop: no host sync
+    group = jnp.minimum(group, sizes.shape[0] - 1).astype(jnp.int32)
     first_row = starts[group] + (tile - (tile_ends[group] - tiles_per_group[group])) * block_m
     valid = tile < tile_ends[-1]
     return jnp.stack([jnp.where(valid, group, -1), first_row, ends[group]]).astype(jnp.int32)

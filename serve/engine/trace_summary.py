@@ -1,6 +1,6 @@
 """Device time per kernel from a ``jax.profiler`` trace (``*.trace.json.gz``), to see where a step goes.
 
-    python -m serve.engine.trace_summary OUT/trace_b64 [--top 25] [--steps 3]
+    python -m serve.engine.trace_summary OUT/trace_b64 [--top 25] [--steps 3]   (a folder or a .trace.json.gz)
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 
 def kernel_times(folder: str) -> tuple[collections.Counter, collections.Counter, str]:
     """Summed microseconds and launch counts per event name on the busiest device-side thread group."""
-    path = sorted(glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))[-1]
+    path = folder if os.path.isfile(folder) else sorted(
+        glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}

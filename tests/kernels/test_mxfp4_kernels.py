@@ -97,3 +97,23 @@ def test_bf16_grouped_matches_reference(transpose_rhs):
                          impl="pallas")
     assert_rows_close(got, grouped_matmul_reference(x, w, gs))
     assert not np.asarray(got[27:], np.float32).any()
+
+
+def test_stacked_layer_weights_use_the_right_layer_without_slicing():
+    """``layer=`` reads layer l's experts out of the stacked [L, E, ...] parameters (passed to the kernel as one
+    [L*E, ...] bitcast plus an expert offset); other layers' weights are poisoned with NaN to prove no read."""
+    x, packed, scales, gs = random_problem(9, [4, 0, 20], NUM_ROWS)
+    want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+    nan_scale = jnp.full_like(scales, 255)  # E8M0 255 = NaN
+    stack_p = jnp.stack([packed, packed, packed])
+    stack_s = jnp.stack([nan_scale, scales, nan_scale])
+    got = mxfp4_grouped_matmul(x, stack_p, stack_s, gs, layer=1, impl="pallas")
+    assert_rows_close(got, want)
+    np.testing.assert_array_equal(mxfp4_grouped_matmul(x, stack_p, stack_s, gs, layer=1, impl="reference"), want)
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((2, 3, 64, 16)), jnp.bfloat16)  # [L, E, K, N]
+    w = w.at[0].set(jnp.nan)
+    got = grouped_matmul(x[:, :64], w, gs, layer=1, impl="pallas")
+    assert_rows_close(got, grouped_matmul_reference(x[:, :64], w[1], gs))
+    with pytest.raises(ValueError, match="layer=2"):
+        grouped_matmul(x[:, :64], w, gs, layer=2, impl="pallas")

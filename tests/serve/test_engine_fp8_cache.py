@@ -38,7 +38,7 @@ def test_fp8_cache_pools_and_capacity():
     assert cache.mla.dtype == jnp.float8_e4m3fn and cache.mla_scales.shape == cache.mla.shape[:3]
     layers, width = cache.mla.shape[0], cache.mla.shape[-1]
     assert runner.plan.bytes_per_block == layers * BLOCK * (width + 4)
-    assert WARM_UP_PROGRESS == [(i, 4) for i in range(5)]  # 2 step buckets, copy, poison
+    assert WARM_UP_PROGRESS == [(i, 5) for i in range(6)]  # 2 step buckets + greedy decode variant, copy, poison
 
 
 def test_fp8_greedy_outputs_independent_of_batching_chunking_and_prefix_hits():

@@ -135,7 +135,7 @@ def test_engine_config_defaults_and_validation():
 
 def test_buckets_padding_and_warm_up(reference):
     runner = shared_runner()
-    assert runner.num_executables == 3 + 2 and runner.buckets.shapes() == [
+    assert runner.num_executables == 4 + 2 and runner.buckets.shapes() == [
         (16, 8, 16, False), (64, 8, 16, False), (8, 8, 16, True)]
     assert runner.buckets.pick(17, 3, 5) == (64, 8, 16, False)
     assert runner.buckets.pick(3, 3, 1, decode_only=True) == (8, 8, 16, True)
@@ -339,7 +339,7 @@ def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoi
     sampling (the ahead step's sampler uses the next output index), and all pools free at the end."""
     names = ["a", "d", "f", "g", "h"]
     stops = {n: reference[n][3] for n in ("a", "g")}  # these two stop at their 4th token (or earlier)
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_NEW, seed=7, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, seed=7, ignore_eos=True)
 
     def params(name):
         return greedy(stop_token_ids=[stops[name]]) if name in stops else sampled if name == "h" else greedy()
@@ -347,6 +347,7 @@ def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoi
     results = {}
     for async_scheduling in (True, False):
         engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+        engine.runner.launch_counts.clear()
         for name in names:
             engine.add_request(name, PROMPTS[name], params(name))
         ahead, done = 0, {}
@@ -356,6 +357,8 @@ def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoi
                     done[out.request_id] = out.outputs[0].token_ids
             ahead += engine.last_timing.ahead
         assert (ahead > 0) == async_scheduling
+        variants = {key[4] for key in engine.runner.launch_counts if key[3]}
+        assert variants == {True, False}  # greedy-only decode steps skip the sampler's conditionals
         # a follow-up turn of a stopped request resumes from its final state
         turn = PROMPTS["a"] + done["a"] + PROMPTS["f"]
         engine.add_request("turn", turn, greedy(3))
