@@ -5,13 +5,13 @@ the packed ``StepInputs`` plus per-row ``SamplingTensors``), packs the small one
 (``step_batch.py``), sends it in one ``device_put`` and launches the bucket's ahead-of-time compiled
 executable (steps where every sequence decodes one token take the model's ``decode_only`` path, see
 ``buckets.py``): model forward over the paged hybrid cache -> logits of each sequence's last row -> grammar
-bitmask / penalties / sampling / top logprobs, each behind a ``lax.cond`` on a flag, so steps that do not use
-a stage skip it (greedy-only steps take the argmax instead of the sampler's vocabulary sort). The cache is
-donated, so pages and slots update in place. ``execute`` returns a ``StepHandle`` with the copy of the
-sampled token ids to the host already queued; only token ids (and logprobs when a row asked for them) ever
-cross to the host. The launch is meant to return before the device finishes; on the H200 with
-impl="reference" it was measured to take about as long as the device step, most likely because XLA GPU
-runs ``while`` loops (the reference KDA / MLA ops) and conditionals by reading their predicates on the host.
+bitmask, penalties, sampling and top logprobs (decode buckets also have a greedy-only variant that just takes
+the argmax, picked per step on the host). The cache is donated, so pages and slots update in place.
+``execute`` returns a ``StepHandle`` with the copy of the sampled token ids to the host already queued; only
+token ids (and logprobs when a row asked for them) ever cross to the host. The launch must return before the
+device finishes (that is what lets the engine schedule ahead), so a step contains no ``while`` loop and no
+``lax.cond``: XLA:GPU runs those by reading their predicate on the host unless it can capture the branches in a
+CUDA graph (measured in BENCHMARKS.md; the reference ops do contain loops, the Pallas path does not).
 
 Before the forward, the runner applies the scheduler's cache copies (copy-on-write pages, checkpoint
 restores) and, in test mode, fills freed pages and slots with NaN; both are separate small executables
@@ -87,10 +87,11 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N], tokens [S] (the sampled ids
     padded with 0, the next step's ``prev_tokens``), new cache).
 
-    ``greedy_only`` (static): the variant for steps with no sampling, grammar, penalties or top logprobs: the
-    argmax without any ``lax.cond``. XLA:GPU runs a conditional whose branches it cannot put in a CUDA graph
-    (the sampler's sort) by reading the predicate on the host, so the launch of the general variant returns
-    only once the device has finished the forward (measured: 9.6 ms of a 10 ms step), which would defeat
+    ``greedy_only`` (static): the variant for steps with no sampling, grammar, penalties or top logprobs: just
+    the argmax. The general variant always applies the bitmask and penalties (neutral when unused), sorts for
+    the sampler and takes top logprobs. Neither uses ``lax.cond``: XLA:GPU runs a conditional whose branches it
+    cannot put in a CUDA graph (the sampler's sort) by reading the predicate on the host, so the launch returned
+    only once the device had finished the forward (measured: 9.6 ms of a 10 ms step), which defeats
     asynchronous scheduling."""
     batch = join(unpack(words, layout), optional)
     ids = batch.step.token_ids
@@ -107,23 +108,12 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         tokens = jnp.zeros_like(prev_tokens).at[:rows].set(sampled.token_ids)
         return sampled, tokens, cache
     s = batch.sampling
-    logits = jax.lax.cond(batch.use_bitmask, lambda x: apply_bitmask(x, s.allowed_bitmask), lambda x: x, logits)
-    logits = jax.lax.cond(batch.use_penalties, lambda x: apply_penalties(x, s), lambda x: x, logits)
-    plain = dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING))
-    # bitmask and penalties are applied above, in the sampler's order; all-greedy steps skip its vocabulary sort
-    sampled = jax.lax.cond(batch.use_sampling, lambda x: sample(x, plain), _greedy, logits)
+    # No lax.cond here either (see above): unused stages get neutral inputs (all-allowed bitmask, zero penalties)
+    logits = apply_penalties(apply_bitmask(logits, s.allowed_bitmask), s)
+    sampled = sample(logits, dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING)))  # greedy rows: argmax
     if num_top_logprobs:
-        rows = logits.shape[0]
-
-        def top(x):
-            lps, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), num_top_logprobs)
-            return lps, ids.astype(jnp.int32)
-
-        def skip(x):
-            return jnp.zeros((rows, num_top_logprobs), jnp.float32), jnp.zeros((rows, num_top_logprobs), jnp.int32)
-
-        top_lps, top_ids = jax.lax.cond(batch.want_top_logprobs, top, skip, logits)
-        sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids, top_lps)
+        top_lps, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
+        sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids.astype(jnp.int32), top_lps)
     tokens = jnp.zeros_like(prev_tokens).at[:sampled.token_ids.shape[0]].set(sampled.token_ids)
     return sampled, tokens, cache
 
