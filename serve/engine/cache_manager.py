@@ -209,6 +209,8 @@ class CacheManager:
         interval = self.config.retention_interval
         if interval:
             positions.update(range((start // interval + 1) * interval, end + 1, interval))
+        if not positions:
+            return [], num_new_tokens
         hashes = self._page_hashes(request)
         kept = [p for p in sorted(positions) if not self._has_checkpoint(request, hashes, p)]
         cap = self.config.max_checkpoints_per_seq

@@ -10,6 +10,7 @@ bitmask) travel separately: they are device-resident neutral arrays unless a row
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 
 import jax
@@ -68,7 +69,7 @@ class PackedLayout:
         leaves, treedef = jax.tree.flatten(small)
         return cls(treedef, tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves))
 
-    @property
+    @functools.cached_property
     def num_words(self) -> int:
         return sum(int(np.prod(shape)) for shape, _ in self.leaves)
 
