@@ -49,12 +49,12 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
     return _e2m1_to_bf16(codes) * s.reshape(bn, 2 * half)
 
 
-def _grouped_kernel(sched_ref, x_ref, *refs, num_experts, expert_offset, block_m, block_n, block_k, weight_format,
+def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
                     weights_lhs):
     *w_refs, o_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
-    expert = group + expert_offset  # row of the weight arrays
+    expert = group + offset_ref[0]  # row of the weight arrays
     rows = pl.ds(first_row, block_m)
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     row_mask = (first_row + jnp.arange(block_m)) < end_row
@@ -92,18 +92,19 @@ def _grouped_kernel(sched_ref, x_ref, *refs, num_experts, expert_offset, block_m
         pltriton.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("weight_format", "expert_offset", "block_m", "block_n", "block_k",
-                                             "num_warps", "num_stages", "weights_lhs"))
-def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *,
-                        weight_format: str, expert_offset: int = 0, block_m: int = 16, block_n: int = 64,
-                        block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+@functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "weights_lhs"))
+def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
+                        expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
+                        block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                         weights_lhs: bool = False) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E', K, N],)`` for ``"bf16"``,
     ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``;
-    group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (so the experts of every layer can be
-    passed as one ``[L*E, ...]`` bitcast of the stacked parameter: a slice ``w[layer]`` handed to a custom call
-    is copied by XLA, 1.2 GB per call at Kimi-Linear shapes) -> ``[M, N]`` in ``x.dtype`` (fp32 accumulation;
-    rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
+    group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (an int32 scalar, traced: so the
+    experts of every layer can be passed as one ``[L*E, ...]`` bitcast of the stacked parameter, since a slice
+    ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every
+    layer shares one compiled kernel; the caller keeps ``expert_offset + E <= E'``) -> ``[M, N]`` in
+    ``x.dtype`` (fp32 accumulation; rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
     dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation)."""
     num_rows, dim_k = x.shape
     num_experts = group_sizes.shape[0]
@@ -113,23 +114,20 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
         dim_n = weights[0].shape[1]
     else:
         raise ValueError(f"unknown weight_format {weight_format!r}")
-    if not 0 <= expert_offset <= weights[0].shape[0] - num_experts:
-        raise ValueError(f"expert_offset={expert_offset} + {num_experts} groups exceeds {weights[0].shape[0]} "
-                         f"weight rows")
     if dim_k % block_k or dim_n % block_n or (weight_format == "mxfp4" and block_k % MX_BLOCK):
         raise ValueError(f"K={dim_k} / N={dim_n} must be multiples of block_k={block_k} / block_n={block_n}")
     schedule = make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)  # noqa: E731 - full-array ref
-    kernel = functools.partial(_grouped_kernel, num_experts=num_experts, expert_offset=expert_offset,
-                               block_m=block_m, block_n=block_n,
+    offset = jnp.asarray(expert_offset, jnp.int32).reshape(1)
+    kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype),
         grid=(schedule.shape[1], dim_n // block_n),
-        in_specs=[whole(schedule), whole(x), *(whole(w) for w in weights)],
+        in_specs=[whole(schedule), whole(offset), whole(x), *(whole(w) for w in weights)],
         out_specs=pl.BlockSpec((num_rows, dim_n), lambda t, j: (0, 0)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret_mode(),
         name=f"grouped_gemm_{weight_format}",
-    )(schedule, x, *weights)
+    )(schedule, offset, x, *weights)

@@ -36,7 +36,8 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
 
 def _flatten_layers(layer: int | None, *weights: jax.Array) -> tuple[tuple[jax.Array, ...], int]:
     """Stacked ``[L, E, ...]`` weights -> their ``[L*E, ...]`` bitcasts and the offset of ``layer``'s experts
-    (a slice ``w[layer]`` fed to the kernel would be copied by XLA on every call)."""
+    (a slice ``w[layer]`` fed to the kernel would be copied by XLA on every call). The offset is passed to the
+    kernel as data, so all layers share one compiled kernel."""
     if layer is None:
         return weights, 0
     num_layers, num_experts = weights[0].shape[:2]
@@ -59,8 +60,7 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
         return mxfp4_grouped_matmul_reference(x, packed, scales, group_sizes)
     (packed, scales), offset = _flatten_layers(layer, packed, scales)
     cfg = tile_config(x.shape[0], group_sizes.shape[0], packed.shape[1], x.shape[1], "mxfp4")
-    return grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4", expert_offset=offset,
-                               **cfg)
+    return grouped_gemm_pallas(x, (packed, scales), group_sizes, offset, weight_format="mxfp4", **cfg)
 
 
 def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: str | None = None) -> jax.Array:
@@ -92,5 +92,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
     (w,), offset = _flatten_layers(layer, w)
     dim_n, dim_k = (w.shape[1], w.shape[2]) if transpose_rhs else (w.shape[2], w.shape[1])
     cfg = tile_config(x.shape[0], group_sizes.shape[0], dim_n, dim_k, "bf16")
-    return grouped_gemm_pallas(x, (w,), group_sizes, weight_format="bf16_nk" if transpose_rhs else "bf16",
-                               expert_offset=offset, **cfg)
+    return grouped_gemm_pallas(x, (w,), group_sizes, offset, weight_format="bf16_nk" if transpose_rhs else "bf16",
+                               **cfg)

@@ -147,8 +147,8 @@ class LLMEngine:
       config: scheduling settings for this engine (default ``runner.config``). Only ``max_model_len``,
         ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
         ``prefix_cache_retention_interval``, ``max_checkpoints_per_seq``, ``num_blocks_override``, ``seed`` and
-        ``async_scheduling`` are read; they must fit what the runner compiled (buckets, checkpoint width); block size, pools,
-        buckets, dtypes and test mode are the runner's.
+        ``async_scheduling`` are read; they must fit what the runner compiled (buckets, checkpoint width);
+        block size, pools, buckets, dtypes and test mode are the runner's.
     """
 
     def __init__(self, runner: ModelRunner, *, tokenizer=None, config: EngineConfig | None = None):

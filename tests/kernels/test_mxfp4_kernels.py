@@ -117,3 +117,15 @@ def test_stacked_layer_weights_use_the_right_layer_without_slicing():
     assert_rows_close(got, grouped_matmul_reference(x[:, :64], w[1], gs))
     with pytest.raises(ValueError, match="layer=2"):
         grouped_matmul(x[:, :64], w, gs, layer=2, impl="pallas")
+
+
+def test_every_layer_shares_one_compiled_kernel():
+    """The expert offset is data, not a static argument: layers of the same shape reuse one compilation."""
+    x, packed, scales, gs = random_problem(13, [3, 9, 0], 16)
+    stack_p, stack_s = jnp.stack([packed] * 3), jnp.stack([scales] * 3)
+    outs = [mxfp4_grouped_matmul(x, stack_p, stack_s, gs, layer=0, impl="pallas")]
+    size = grouped_gemm_pallas._cache_size()
+    outs += [mxfp4_grouped_matmul(x, stack_p, stack_s, gs, layer=layer, impl="pallas") for layer in (1, 2)]
+    assert grouped_gemm_pallas._cache_size() == size
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
