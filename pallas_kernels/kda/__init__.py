@@ -69,7 +69,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
 
 def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                               eps: float = 1e-5, impl=None):
+                               eps: float = 1e-5, block_v: int | None = None, impl=None):
     """KDA step for ``Tq <= 8`` tokens per sequence; states after token t land in slot ``out_slots[n, t]``.
 
     Args:
@@ -83,6 +83,7 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         conv and recurrent state after each token (negative: not written).
       gate_logits: ``[N, Tq, HV*V]`` output-gate logits; o_norm_weight: ``[V]``; eps: RMSNorm epsilon.
       scale: q scale, default ``K**-0.5``.
+      block_v: Pallas tuning, the width of the state slices a program walks (default V; see recurrent.py).
       impl: ``None | "reference" | "pallas"``.
 
     Returns:
@@ -96,12 +97,13 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     if resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.recurrent import fused_recurrent_kda_pallas
 
-        return fused_recurrent_kda_pallas(*args, lower_bound=lower_bound, scale=scale, eps=eps)
+        return fused_recurrent_kda_pallas(*args, lower_bound=lower_bound, scale=scale, eps=eps, block_v=block_v)
     return fused_recurrent_kda_reference(*args, lower_bound=lower_bound, scale=scale, eps=eps)
 
 
 def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
-                        gate_logits, o_norm_weight, *, lower_bound=None, scale=None, eps: float = 1e-5, impl=None):
+                        gate_logits, o_norm_weight, *, lower_bound=None, scale=None, eps: float = 1e-5,
+                        block_v: int | None = None, impl=None):
     """One decode token per sequence, pools updated in place at ``slots``.
 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
@@ -113,5 +115,5 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     y, conv_state, state = fused_recurrent_kda_verify(
         mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias, state,
         slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale, eps=eps,
-        impl=impl)
+        block_v=block_v, impl=impl)
     return y[:, 0], conv_state, state

@@ -250,10 +250,14 @@ ARG_ORDER = ("mixed_qkv", "conv_weight", "conv_state", "g_raw", "beta_logits", "
 REST_ORDER = tuple(a for a in ARG_ORDER if a not in ("conv_state", "state"))
 
 
-@functools.partial(jax.jit, static_argnames=("impl",), donate_argnums=(0, 1))
-def decode_step(conv_state, state, *rest, impl):
+DECODE_BLOCK_V = (32, 64)
+"""Extra V-slice widths of our decode kernel timed next to the default (whole V per program)."""
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "block_v"), donate_argnums=(0, 1))
+def decode_step(conv_state, state, *rest, impl, block_v=None):
     return fused_recurrent_kda(conv_state=conv_state, state=state, lower_bound=LOWER_BOUND, impl=impl,
-                               **dict(zip(REST_ORDER, rest)))
+                               block_v=block_v, **dict(zip(REST_ORDER, rest)))
 
 
 class DecodeCase:
@@ -283,15 +287,16 @@ class DecodeCase:
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
     def time(self, impl):
-        label, iters = ("ours_s", 50) if impl == "pallas" else ("xla_ref_s", 10)
-        pools = self.pools()
+        variants = [("ours_s", None)] + [(f"ours_bv{bv}_s", bv) for bv in DECODE_BLOCK_V]
+        for label, block_v in variants if impl == "pallas" else [("xla_ref_s", None)]:
+            pools = self.pools()
 
-        def run():
-            pools[:] = decode_step(*pools, *self.rest, impl=impl)[1:]
-            return pools[1]
+            def run():
+                pools[:] = decode_step(*pools, *self.rest, impl=impl, block_v=block_v)[1:]
+                return pools[1]
 
-        self.row[label] = time_jax(run, iters=iters)
-        print(f"{self.name}: {impl} {self.row[label] * 1e6:.1f} us", flush=True)
+            self.row[label] = time_jax(run, iters=50 if impl == "pallas" else 10)
+            print(f"{self.name}: {impl} {label} {self.row[label] * 1e6:.1f} us", flush=True)
 
     def time_fla(self):
         import torch

@@ -25,7 +25,7 @@ L2_EPS = 1e-6
 
 def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                       state_in_ref, slots_ref, out_slots_ref, gate_ref, norm_w_ref, y_ref, conv_state_ref, state_ref,
-                      *, num_heads, group, width, num_tokens, scale, lower_bound, eps, use_barrier):
+                      *, num_heads, group, width, num_tokens, scale, lower_bound, eps, use_barrier, block_v):
     seq, head = pl.program_id(0), pl.program_id(1)
     head_dim, value_dim = state_ref.shape[-2:]
     slot = slots_ref[seq]
@@ -51,31 +51,37 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
     qs = [l2norm(conv_silu(q_rows, q_taps, t)) * scale for t in range(num_tokens)]
     ks = [l2norm(conv_silu(k_rows, k_taps, t)) for t in range(num_tokens)]
     conv_writes = [(head * head_dim, q_rows), (qk_width + head * head_dim, k_rows)]
-    norm_w = norm_w_ref[...].astype(jnp.float32)
     for i in range(group):
         hv = head * group + i
-        v_offset = 2 * qk_width + hv * value_dim
-        v_rows, v_taps = conv_inputs(v_offset, value_dim)
-        conv_writes.append((v_offset, v_rows))
         decay_scale = jnp.exp(a_log_ref[hv].astype(jnp.float32))
         dt_bias = dt_bias_ref[hv, :].astype(jnp.float32)
-        state = state_in_ref[slot, hv].astype(jnp.float32)  # [K, V]
-        for t in range(num_tokens):
-            g = gate_from_logits(g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias,
-                                 decay_scale, lower_bound)
-            beta = jax.nn.sigmoid(beta_ref[seq, t, hv].astype(jnp.float32))
-            k = ks[t][:, None]
-            state = state * jnp.exp(g)[:, None]
-            error = conv_silu(v_rows, v_taps, t) - jnp.sum(state * k, axis=0)
-            state = state + beta * k * error[None, :]
-            o = jnp.sum(state * qs[t][:, None], axis=0)  # [V]
-            normed = o * lax.rsqrt(jnp.mean(o * o) + eps) * norm_w
-            gate = gate_ref[seq, t, pl.ds(hv * value_dim, value_dim)].astype(jnp.float32)
-            y_ref[seq, t, pl.ds(hv * value_dim, value_dim)] = (normed * jax.nn.sigmoid(gate)).astype(y_ref.dtype)
+        gs = [jnp.exp(gate_from_logits(g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias,
+                                       decay_scale, lower_bound))[:, None] for t in range(num_tokens)]
+        betas = [jax.nn.sigmoid(beta_ref[seq, t, hv].astype(jnp.float32)) for t in range(num_tokens)]
+        outs = [[] for _ in range(num_tokens)]  # o of token t, one [block_v] piece per V tile
+        for v0 in range(0, value_dim, block_v):  # V tiles: a [K, block_v] slice of the state at a time
+            v_offset = 2 * qk_width + hv * value_dim + v0
+            v_rows, v_taps = conv_inputs(v_offset, block_v)
+            conv_writes.append((v_offset, v_rows))
+            cols = pl.ds(v0, block_v)
+            state = state_in_ref[slot, hv, :, cols].astype(jnp.float32)  # [K, block_v]
+            for t in range(num_tokens):
+                k = ks[t][:, None]
+                state = state * gs[t]
+                error = conv_silu(v_rows, v_taps, t) - jnp.sum(state * k, axis=0)
+                state = state + betas[t] * k * error[None, :]
+                outs[t].append(jnp.sum(state * qs[t][:, None], axis=0))
 
-            @pl.when(out_slots[t] >= 0)
-            def _():
-                state_ref[out_slots[t], hv] = state.astype(state_ref.dtype)
+                @pl.when(out_slots[t] >= 0)
+                def _():
+                    state_ref[out_slots[t], hv, :, cols] = state.astype(state_ref.dtype)
+        for t in range(num_tokens):  # gated RMSNorm over the whole V, written tile by tile
+            inv_rms = lax.rsqrt(sum(jnp.sum(o * o) for o in outs[t]) / value_dim + eps)
+            for v0, o in zip(range(0, value_dim, block_v), outs[t]):
+                cols = pl.ds(hv * value_dim + v0, block_v)
+                gate = jax.nn.sigmoid(gate_ref[seq, t, cols].astype(jnp.float32))
+                norm_w = norm_w_ref[pl.ds(v0, block_v)].astype(jnp.float32)
+                y_ref[seq, t, cols] = (o * inv_rms * norm_w * gate).astype(y_ref.dtype)
 
     if use_barrier:  # every thread has read the old conv rows before any is overwritten (in-place decode)
         pltriton.debug_barrier()
@@ -94,18 +100,23 @@ def _full(shape):
 
 def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                               eps: float = 1e-5, num_warps: int = 8):
+                               eps: float = 1e-5, num_warps: int = 8, block_v: int | None = None):
     """Pallas version of :func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` (same arguments
-    and returns; K and V powers of 2). The pools are updated in place when donated."""
+    and returns; K and V powers of 2). The pools are updated in place when donated. ``block_v`` (a power of 2
+    dividing V; default V) walks the ``[K, V]`` state in ``[K, block_v]`` slices, so a program holds a quarter
+    of it in registers at ``block_v = V / 4`` (the state columns are independent in the delta rule)."""
     num_seqs, num_tokens, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     width = conv_weight.shape[1]
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
     interpret = interpret_mode()
+    block_v = value_dim if block_v is None else block_v
+    if value_dim % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={value_dim}")
     kernel = functools.partial(
         _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, width=width,
         num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
-        eps=eps, use_barrier=not interpret)
+        eps=eps, use_barrier=not interpret, block_v=block_v)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
               dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim), state, slots.astype(jnp.int32),
               out_slots.astype(jnp.int32), gate_logits, o_norm_weight)

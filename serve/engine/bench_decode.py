@@ -27,8 +27,9 @@ def active_bytes(runner, batch: int, context: int) -> float:
     cfg = runner.model_config
     sizes = dict(zip(runner.param_names, (p.nbytes for p in runner.params)))
     total = sum(sizes.values())
-    expert = sum(b for name, b in sizes.items() if "moe" in name and any(w in name for w in ("'w1", "'w2", "'w3")))
-    embed = sum(b for name, b in sizes.items() if "'embed'" in name)
+    expert = sum(b for name, b in sizes.items() if name.split(".")[0] == "moe" and name.split(".")[1][:2] in
+                 ("w1", "w2", "w3"))
+    embed = sizes.get("embed", 0)
     touched = 1.0 - (1.0 - cfg.num_experts_per_token / max(cfg.num_experts, 1)) ** batch
     weights = total - expert - embed + batch * embed / cfg.vocab_size + expert * touched
     plan = runner.plan

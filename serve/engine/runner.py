@@ -43,14 +43,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kimi_jax.api import KimiLM
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
+from pallas_kernels.impl import resolve_impl
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.outputs import SampledTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, join, pack, split, unpack
+from sharding import MeshShape, make_mesh, param_specs
+from sharding.rules import fitted_cache_specs
 
-MESH_AXES = ("data", "tensor", "expert")
 COPY_CHUNK = 16
 """Copies (and poisoned ids) handled per launch of the copy (poison) executable."""
 
@@ -73,10 +75,9 @@ def backend_compile_count() -> int:
     return _compile_count
 
 
-def single_device_mesh(device: jax.Device | None = None) -> Mesh:
-    """A 1x1x1 mesh over ``device`` (default: the first device) with the axes later sharding uses."""
-    device = device or jax.devices()[0]
-    return Mesh(np.asarray([device]).reshape(1, 1, 1), MESH_AXES)
+def _param_path(path: tuple) -> str:
+    """A flattened nnx state path -> the rules' parameter path (``kda.q_proj``)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value")
 
 
 def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool, params, cache,
@@ -178,29 +179,33 @@ class ModelRunner:
     Args:
       model: a KimiModel or KimiLM (its ``impl`` is used unless ``impl`` is given).
       config: engine settings; resolved here for the model and platform (``self.config``).
-      mesh: placement (default ``single_device_mesh()``).
+      mesh: a ``sharding.make_mesh`` mesh (default: one device). Parameters and cache pools are placed with
+        the partition rules of ``sharding.rules`` fitted to it (on one device: everything replicated); the
+        step is partitioned by GSPMD, which needs the pure-XLA ops (the Pallas kernels are not partitioned yet).
       impl: op implementation passed to the forward (None = backend default).
-      param_spec: maps a parameter's path (tuple of keys) to its PartitionSpec (default: replicated).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
     """
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
-                 impl: str | None = None, param_spec: Callable[[tuple], PartitionSpec] | None = None,
-                 warm_up: bool = True, progress: Callable[[int, int], None] | None = None):
+                 impl: str | None = None, warm_up: bool = True, progress: Callable[[int, int], None] | None = None):
         if isinstance(model, KimiLM):
             impl = impl if impl is not None else model.impl
             model = model.model
         self.model_config = model.config
-        self.mesh = mesh or single_device_mesh()
+        self.mesh = mesh or make_mesh()
+        if self.mesh.size > 1 and resolve_impl(impl) == "pallas":
+            raise ValueError("a multi-device mesh needs impl='reference': the Pallas kernels have no shard_map "
+                             "wrappers yet, and XLA cannot partition them")
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        specs = param_specs(model, MeshShape.of(self.mesh))
         graphdef, state = nnx.split(model)
         paths_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
-        spec = param_spec or (lambda path: PartitionSpec())
-        self.params = [jax.device_put(leaf, NamedSharding(self.mesh, spec(path))) for path, leaf in paths_leaves]
-        self.param_names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
+        self.param_names = [_param_path(path) for path, _ in paths_leaves]
+        self.params = [jax.device_put(leaf, NamedSharding(self.mesh, specs[name]))
+                       for name, (_, leaf) in zip(self.param_names, paths_leaves)]
         self._graphdef = graphdef
         self.vocab_size = model.config.vocab_size
         self.kv_dtype = jnp.dtype(kv_cache_dtype_name(self.config.kv_cache_dtype, jnp.dtype(model.dtype)))
@@ -237,9 +242,10 @@ class ModelRunner:
         plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                          num_checkpoint_slots=cfg.num_checkpoint_slots)
         plan = plan_pools(budget, dims, **plan_args)
-        if cfg.num_blocks_override is not None and cfg.num_blocks_override < plan.num_blocks:
-            budget = cfg.num_blocks_override * plan.bytes_per_block + plan.num_slots * plan.bytes_per_slot
-            plan = plan_pools(budget, dims, **plan_args)
+        blocks = plan.num_blocks if cfg.num_blocks_override is None else min(plan.num_blocks, cfg.num_blocks_override)
+        blocks -= blocks % MeshShape.of(self.mesh).dcp  # the page pool splits evenly over dcp
+        if blocks < plan.num_blocks:
+            plan = plan_pools(blocks * plan.bytes_per_block + plan.num_slots * plan.bytes_per_slot, dims, **plan_args)
         return plan
 
     def _device_budget(self) -> int:
@@ -256,7 +262,9 @@ class ModelRunner:
     def _zero_cache(self) -> HybridCache:
         make = partial(init_cache, self.model_config, num_blocks=self.plan.num_blocks,
                        block_size=self.config.block_size, num_slots=self.plan.num_slots, dtype=self.kv_dtype)
-        return jax.jit(make, out_shardings=self.replicated)()
+        specs = fitted_cache_specs(jax.eval_shape(make), MeshShape.of(self.mesh).sizes())
+        self.cache_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+        return jax.jit(make, out_shardings=self.cache_shardings)()
 
     # ---- compilation ----
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -271,14 +279,16 @@ class ModelRunner:
             words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
                 step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
-                                          layout, greedy_only), donate_argnums=(1,))
+                                          layout, greedy_only), donate_argnums=(1,),
+                                  out_shardings=(self.replicated, self.replicated, self.cache_shardings))
                 lowered[(*shape, greedy_only)] = step_fn.lower(self.params, self.cache, words, optional,
                                                                 self._tokens)
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
-        lowered["copy"] = jax.jit(_copy_entries, donate_argnums=(0,)).lower(self.cache, pairs, pairs)
+        pinned = dict(donate_argnums=(0,), out_shardings=self.cache_shardings)
+        lowered["copy"] = jax.jit(_copy_entries, **pinned).lower(self.cache, pairs, pairs)
         if cfg.test_mode:
-            lowered["poison"] = jax.jit(_poison_entries, donate_argnums=(0,)).lower(self.cache, ids, ids)
+            lowered["poison"] = jax.jit(_poison_entries, **pinned).lower(self.cache, ids, ids)
         threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
         report = progress or (lambda done, total: None)
         report(0, len(lowered))

@@ -53,7 +53,9 @@ def test_greedy_is_argmax_with_logprobs_and_top_logprobs(rng):
     best = logits.argmax(-1)
     np.testing.assert_array_equal(out.token_ids, best)
     np.testing.assert_allclose(out.logprobs, ref_lp[np.arange(N), best], rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(out.top_token_ids[:, :4], np.argsort(-logits, axis=-1)[:, :4])
+    # ranked by the log-probabilities themselves: two logits 1 ulp apart may round to equal log-probs, and
+    # then the lower token id comes first (as in lax.top_k)
+    np.testing.assert_array_equal(out.top_token_ids[:, :4], np.argsort(-ref_lp, axis=-1, kind="stable")[:, :4])
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-ref_lp, axis=-1), rtol=1e-6, atol=1e-6)
 
 
