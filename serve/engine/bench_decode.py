@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--memory-gib", type=float, default=4.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="> 0: sample (top_p 0.9), which takes the general step variant with the sampler's sort")
     parser.add_argument("--ttft-prompt-len", type=int, default=0,
                         help="also time the first token of one prompt of this many tokens on an idle engine")
     parser.add_argument("--profile", action="store_true",
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.batches:
         engine = LLMEngine(runner, config=EngineConfig(max_num_seqs=batch, max_num_batched_tokens=args.prefill_chunk,
                                                        enable_prefix_caching=False))
-        params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature else 1.0,
+                                max_tokens=decode_tokens, ignore_eos=True, seed=0)
         for i in range(batch):
             engine.add_request(f"b{batch}-{i}", rng.integers(0, cfg.vocab_size, args.prompt_len).tolist(), params)
         requests = [engine.scheduler.requests[f"b{batch}-{i}"] for i in range(batch)]
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
         engine.step()
         timings = []
+        runner.launch_counts.clear()
         t0 = time.perf_counter()
         for _ in range(args.decode_steps):
             engine.step()
@@ -144,8 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         serial = float(np.mean([t.update + t.schedule + t.launch for t in timings]))
         overlapped = float(np.mean([t.process for t in timings]))
         launch = float(np.mean([t.launch for t in timings]))
+        greedy_launches = sum(n for key, n in runner.launch_counts.items() if key[4])
+        ahead = float(np.mean([t.ahead for t in timings]))
         rows.append(dict(batch=batch, tokens_per_s=batch / wall, step_ms=wall * 1e3, device_ms=device * 1e3,
                          host_serial_ms=serial * 1e3, launch_ms=launch * 1e3, host_overlapped_ms=overlapped * 1e3,
+                         ahead_fraction=ahead, greedy_variant_launches=greedy_launches,
                          host_overhead=max(0.0, wall - device) / wall, roofline_ms=roof * 1e3,
                          roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall))
         print(json.dumps(rows[-1]), flush=True)
