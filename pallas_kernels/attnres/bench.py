@@ -8,41 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.attnres.kernel import attnres_mix_pallas
 from pallas_kernels.attnres.reference import attnres_mix_reference
+from pallas_kernels.bench_timing import copy_bandwidth, timed
 
 D = 7168
 REPS = 8
 CONFIGS = {"n1w4": dict(block_n=1, num_warps=4), "n4w4": dict(block_n=4, num_warps=4),
            "n2w8c512": dict(block_n=2, num_warps=8, max_chunk=512)}
-
-
-def timed(fn, xs, *rest):
-    many = jax.jit(lambda xs, *rest: tuple(fn(xs[i], *rest) for i in range(REPS)))
-    jax.block_until_ready(many(xs, *rest))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(many(xs, *rest))
-        best = min(best, time.perf_counter() - t0)
-    return best / REPS
-
-
-def copy_bandwidth():
-    a = jnp.ones((1 << 30,), jnp.bfloat16)
-    f = jax.jit(lambda v: v + 1)
-    jax.block_until_ready(f(a))
-    t0 = time.perf_counter()
-    for _ in range(10):
-        out = f(a)
-    jax.block_until_ready(out)
-    return 2 * a.nbytes / ((time.perf_counter() - t0) / 10)
 
 
 def main():
@@ -57,14 +34,14 @@ def main():
         ref = attnres_mix_reference(q, xs[0], w, output_rms_weight=ow, eps=1e-5)
         case = dict(L=L, N=N, dtype=jnp.dtype(dtype).name, bytes=(L + 1) * N * D * jnp.dtype(dtype).itemsize,
                     xla_s=timed(lambda s, q, w, ow: attnres_mix_reference(q, s, w, output_rms_weight=ow, eps=1e-5),
-                                xs, q, w, ow), pallas_s={}, max_rel_err={})
+                                (xs, q, w, ow)), pallas_s={}, max_rel_err={})
         for name, cfg in CONFIGS.items():
             fn = lambda s, q, w, ow, cfg=cfg: attnres_mix_pallas(q, s, w, output_rms_weight=ow, eps=1e-5, **cfg)
             try:
                 got = fn(xs[0], q, w, ow)
                 case["max_rel_err"][name] = float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - ref[0].astype(
                     jnp.float32))) / jnp.max(jnp.abs(ref[0].astype(jnp.float32))))
-                case["pallas_s"][name] = timed(fn, xs, q, w, ow)
+                case["pallas_s"][name] = timed(fn, (xs, q, w, ow))
             except Exception as err:  # noqa: BLE001 - report and go on
                 case["pallas_s"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         result["cases"].append(case)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.bench_timing import copy_bandwidth, timed
 from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
 from pallas_kernels.mxfp4.ops import tile_config
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
@@ -50,30 +51,6 @@ SWEEPS = {
 }
 DECODE_CFGS = {name: ALL_CFGS[name] for name in SWEEPS[("decode", "mxfp4")]}  # dense probe
 CHECKED_CFGS = {name: ALL_CFGS[name] for names in SWEEPS.values() for name in names}
-
-
-def timed(fn, inputs, reps=REPS):
-    """Seconds per call: ``fn`` applied to ``reps`` different inputs inside one jit (one dispatch)."""
-    many = jax.jit(lambda xs, *rest: tuple(fn(xs[i], *rest) for i in range(reps)))
-    xs, *rest = inputs
-    jax.block_until_ready(many(xs, *rest))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(many(xs, *rest))
-        best = min(best, time.perf_counter() - t0)
-    return best / reps
-
-
-def copy_bandwidth():
-    a = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
-    f = jax.jit(lambda v: v + 1)
-    jax.block_until_ready(f(a))
-    t0 = time.perf_counter()
-    for _ in range(10):
-        out = f(a)
-    jax.block_until_ready(out)
-    return 2 * a.nbytes / ((time.perf_counter() - t0) / 10)
 
 
 def matmul_rate(m=8192, n=6144, k=3584):

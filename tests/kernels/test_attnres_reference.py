@@ -13,16 +13,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attnres import attnres_mix
+from tests.kernels.helpers import assert_close
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 TOL = 1e-5
-
-
-def assert_close(actual, expected, tol, name):
-    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
-    err = np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30)
-    assert err <= tol, f"{name}: relative max error {err:.3e} > {tol:.1e}"
 
 
 @pytest.mark.parametrize("name", ["attnres_small", "attnres_outnorm"])

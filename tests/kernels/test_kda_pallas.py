@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda
+from tests.kernels.helpers import assert_close
 
-from .test_kda_reference import assert_close, naive_recurrent_kda
+from .test_kda_reference import naive_recurrent_kda
 
 chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "lower_bound", "impl"))
 fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda, static_argnames=("lower_bound", "scale", "eps", "impl"))

@@ -16,6 +16,7 @@ import pytest
 
 from pallas_kernels import kda
 from pallas_kernels.kda import kda_gate, l2_normalize
+from tests.kernels.helpers import assert_close
 
 # Jitted once per shape: eager dispatch would compile every small op separately (most of the CPU test time).
 naive_recurrent_kda = jax.jit(kda.naive_recurrent_kda, static_argnames=("scale",))
@@ -24,13 +25,6 @@ chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "l
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FP32_TOL = 1e-4
-
-
-def assert_close(actual, expected, tol, name):
-    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
-    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
-    err = np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30)
-    assert err <= tol, f"{name}: relative max error {err:.3e} > {tol:.1e}"
 
 
 def random_inputs(seed, batch, seq_len, heads, value_heads, head_dim, value_dim, lower_bound=None,

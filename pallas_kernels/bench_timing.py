@@ -1,0 +1,35 @@
+"""Timing helpers shared by the kernel benchmarks (``pallas_kernels/*/bench.py``; GPU runs, not the library)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def timed(fn, inputs) -> float:
+    """Seconds per call: ``fn`` applied to each leading-axis slice of ``inputs[0]`` (the rest shared) inside one
+    jit, so one dispatch covers them all; best of 3."""
+    xs, *rest = inputs
+    reps = xs.shape[0]
+    many = jax.jit(lambda xs, *rest: tuple(fn(xs[i], *rest) for i in range(reps)))
+    jax.block_until_ready(many(xs, *rest))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(xs, *rest))
+        best = min(best, time.perf_counter() - t0)
+    return best / reps
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s: a 2 GiB bf16 read + write, 10 times."""
+    a = jnp.ones((1 << 30,), jnp.bfloat16)
+    f = jax.jit(lambda v: v + 1)
+    jax.block_until_ready(f(a))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(a)
+    jax.block_until_ready(out)
+    return 2 * a.nbytes / ((time.perf_counter() - t0) / 10)
