@@ -119,10 +119,8 @@ class K3OutputParser(StreamingOutputParser):
                 self._state = DONE
             else:
                 return False
-        elif name == "think" and state == THINK and not self._has_output:
-            pass  # the model repeated the opener the prompt already holds
-        elif name == "think" and state == BETWEEN:
-            self._state = THINK
+        elif name == "think" and (state == BETWEEN or (state == THINK and not self._has_output)):
+            self._state = THINK  # (in THINK before any output: the model repeated the opener the prompt holds)
         elif name == "response" and state in (THINK, BETWEEN):
             self._state = RESPONSE
         elif name == "tools" and state in (THINK, BETWEEN, RESPONSE):

@@ -3,15 +3,15 @@ and the continuous-batching scheduler (no JAX here; the on-device sampler is ``s
 
 from serve.engine.cache_manager import CacheConfig, CacheManager, PrefixHit
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
-from serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampledTokens
+from serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, SampledTokens
 from serve.engine.request import Request, RequestStatus
 from serve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenConstraint
 from serve.engine.scheduler import (ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput,
                                     SchedulerStats)
 
 __all__ = [
-    "CacheConfig", "CacheDims", "CacheManager", "CompletionOutput", "MAX_LOGPROBS", "PoolPlan", "PrefixHit",
-    "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "SampledTokens", "SamplingParams",
+    "CacheConfig", "CacheDims", "CacheManager", "CompletionOutput", "EngineStats", "MAX_LOGPROBS", "PoolPlan",
+    "PrefixHit", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "SampledTokens", "SamplingParams",
     "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "TokenConstraint",
     "plan_pools",
 ]
@@ -20,8 +20,8 @@ __all__ = [
 from serve.engine.buckets import Buckets  # noqa: E402
 from serve.engine.config import EngineConfig  # noqa: E402
 
-_LAZY = {"AsyncEngine": "serve.engine.async_engine", "EngineStats": "serve.engine.engine",
-         "LLM": "serve.engine.llm", "LLMEngine": "serve.engine.engine", "ModelRunner": "serve.engine.runner"}
+_LAZY = {"AsyncEngine": "serve.engine.async_engine", "LLM": "serve.engine.llm", "LLMEngine": "serve.engine.engine",
+         "ModelRunner": "serve.engine.runner"}
 __all__ += ["Buckets", "EngineConfig", *_LAZY]
 
 

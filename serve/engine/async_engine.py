@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from serve.engine.engine import EngineStats, LLMEngine
-from serve.engine.outputs import RequestOutput
+from serve.engine.engine import LLMEngine
+from serve.engine.outputs import EngineStats, RequestOutput
 from serve.engine.sampling_params import SamplingParams
 
 

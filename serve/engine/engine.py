@@ -30,25 +30,11 @@ import numpy as np
 
 from serve.engine.cache_manager import CacheConfig
 from serve.engine.config import EngineConfig
-from serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from serve.engine.request import Request, RequestStatus
 from serve.engine.runner import ModelRunner
 from serve.engine.sampling_params import SamplingParams, TokenConstraint
 from serve.engine.scheduler import Scheduler, SchedulerConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """Gauges and counters for /metrics (the shared AsyncEngine interface). Token counts are totals."""
-
-    num_running: int
-    num_waiting: int
-    cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
 
 
 @dataclasses.dataclass

@@ -61,3 +61,17 @@ class SampledTokens:
     logprobs: np.ndarray
     top_token_ids: np.ndarray
     top_logprobs: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Gauges and counters for /metrics (the shared AsyncEngine interface). Token counts are totals."""
+
+    num_running: int
+    num_waiting: int
+    cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int

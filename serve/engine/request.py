@@ -118,6 +118,12 @@ class Request:
         if self.constraint is not None:
             self.constraint.advance(token_id)
 
+    def next_token_is_last(self, max_model_len: int) -> bool:
+        """The next sampled token ends the request whatever its value (the length limits of ``check_stop``)."""
+        max_tokens = self.sampling_params.max_tokens
+        return ((max_tokens is not None and self.num_output_tokens + 1 >= max_tokens)
+                or self.num_tokens + 1 >= max_model_len)
+
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set a finished status if a stop condition holds; True if it stopped.
 

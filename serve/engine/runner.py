@@ -101,21 +101,20 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     hidden, cache = forward(model, cache, step, impl=impl)
     logits = compute_logits(model, hidden)  # [N, vocab] f32
+    rows = logits.shape[0]
     if greedy_only:
         sampled = _greedy(logits)
-        rows = logits.shape[0]
         top = (jnp.zeros((rows, num_top_logprobs), jnp.int32), jnp.zeros((rows, num_top_logprobs), jnp.float32))
         sampled = SampledTokens(sampled.token_ids, sampled.logprobs, *top)
-        tokens = jnp.zeros_like(prev_tokens).at[:rows].set(sampled.token_ids)
-        return sampled, tokens, cache
-    s = batch.sampling
-    # No lax.cond here either (see above): unused stages get neutral inputs (all-allowed bitmask, zero penalties)
-    logits = apply_penalties(apply_bitmask(logits, s.allowed_bitmask), s)
-    sampled = sample(logits, dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING)))  # greedy rows: argmax
-    if num_top_logprobs:
-        top_lps, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
-        sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids.astype(jnp.int32), top_lps)
-    tokens = jnp.zeros_like(prev_tokens).at[:sampled.token_ids.shape[0]].set(sampled.token_ids)
+    else:
+        s = batch.sampling
+        # No lax.cond here either (see above): unused stages get neutral inputs (all-allowed bitmask, no penalty)
+        logits = apply_penalties(apply_bitmask(logits, s.allowed_bitmask), s)
+        sampled = sample(logits, dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING)))  # greedy rows: argmax
+        if num_top_logprobs:
+            top_lps, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
+            sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids.astype(jnp.int32), top_lps)
+    tokens = jnp.zeros_like(prev_tokens).at[:rows].set(sampled.token_ids)
     return sampled, tokens, cache
 
 

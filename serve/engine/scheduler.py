@@ -259,7 +259,7 @@ class Scheduler:
             row = rows.get(request.request_id)
             if row is None or request.constraint is not None or request.sampling_params.uses_penalties:
                 return None
-            if self._last_token_in_flight(request):
+            if request.next_token_is_last(self.config.max_model_len):  # its in-flight token ends it
                 continue
             position = request.num_tokens  # where the in-flight token goes
             if self.cache.checkpoint_positions(request, position, 1)[0]:
@@ -282,12 +282,6 @@ class Scheduler:
         out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [])
         self._in_flight.append(out)
         return out
-
-    def _last_token_in_flight(self, request: Request) -> bool:
-        """The token the step in flight samples for ``request`` ends it whatever its value."""
-        max_tokens = request.sampling_params.max_tokens
-        return ((max_tokens is not None and request.num_output_tokens + 1 >= max_tokens)
-                or request.num_tokens + 1 >= self.config.max_model_len)
 
     def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Request]:
         """Advance every scheduled request by its step; append sampled tokens and apply stop conditions.

@@ -25,7 +25,7 @@ from serve.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice
 from serve.openai.sampling import (build_sampling_params, check_prompt_length, mask_vocab_size, resolve_max_tokens,
                                    response_format_factory)
 from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, SSEResponse, cancel_on_disconnect,
-                                    generate_or_abort, sse_event)
+                                    generate_or_abort, sse_error_event, sse_event)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +244,5 @@ class ChatHandler:
                 yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                                     usage=usage()))
         except Exception as err:  # noqa: BLE001 - the status line is gone; report in-band like vLLM
-            yield sse_event({"error": {"message": str(err), "type": "internal_server_error", "param": None,
-                                       "code": None}})
+            yield sse_error_event(err)
         yield SSE_DONE

@@ -17,7 +17,7 @@ from serve.openai.protocol import CompletionChoice, CompletionRequest, Completio
 from serve.openai.sampling import (build_sampling_params, check_prompt_length, mask_vocab_size, resolve_max_tokens,
                                    response_format_factory)
 from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, SSEResponse, cancel_on_disconnect,
-                                    generate_or_abort, merge_streams, sse_event)
+                                    generate_or_abort, merge_streams, sse_error_event, sse_event)
 
 class CompletionHandler:
     def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
@@ -141,6 +141,5 @@ class CompletionHandler:
                 yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                                    usage=usage()))
         except Exception as err:  # noqa: BLE001 - the status line is gone; report in-band like vLLM
-            yield sse_event({"error": {"message": str(err), "type": "internal_server_error", "param": None,
-                                       "code": None}})
+            yield sse_error_event(err)
         yield SSE_DONE

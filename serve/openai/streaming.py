@@ -16,6 +16,11 @@ SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
 
 
+def sse_error_event(err: Exception) -> str:
+    """The in-band error event of a stream whose status line is already sent (vLLM does the same)."""
+    return sse_event({"error": {"message": str(err), "type": "internal_server_error", "param": None, "code": None}})
+
+
 def sse_event(payload: BaseModel | dict) -> str:
     """One server-sent event carrying `payload` as JSON (None fields of models left out)."""
     if isinstance(payload, BaseModel):

@@ -13,8 +13,8 @@ grammatical and finite, as with a real model.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import dataclasses
 import random
 import socket
 import threading
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from kimi_jax.tokenizer import IncrementalDetokenizer
-from serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from serve.engine.sampling_params import SamplingParams
 from serve.openai.constraints import allowed_ids
 
@@ -36,18 +36,6 @@ def random_words_reply(prompt_ids: list[int], params: SamplingParams, index: int
     seed = params.seed if params.seed is not None else random.getrandbits(32)
     rng = random.Random(seed * 1000 + index)
     return " ".join(rng.choice(WORDS) for _ in range(12))
-
-
-@dataclasses.dataclass
-class FakeEngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 class _Sequence:
@@ -93,12 +81,15 @@ class FakeAsyncEngine:
         self._abort_requested: set[str] = set()
         self._running: set[str] = set()
         self._waiting = 0
-        self._stats = FakeEngineStats()
+        self._counts = collections.Counter()  # the counter fields of EngineStats
         self._seen_prompts: list[list[int]] = []
 
-    def stats(self) -> FakeEngineStats:
-        return dataclasses.replace(self._stats, num_running=len(self._running), num_waiting=self._waiting,
-                                   cache_usage=len(self._running) / self.max_num_seqs)
+    def stats(self) -> EngineStats:
+        counters = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                    "generation_tokens")
+        return EngineStats(num_running=len(self._running), num_waiting=self._waiting,
+                           cache_usage=len(self._running) / self.max_num_seqs,
+                           **{name: self._counts[name] for name in counters})
 
     async def abort(self, request_id: str) -> None:
         self._abort_requested.add(request_id)
@@ -126,9 +117,9 @@ class FakeAsyncEngine:
         self._waiting -= 1
         self._running.add(request_id)
         hits = self._prefix_hit(prompt_token_ids)
-        self._stats.prefix_cache_queries += len(prompt_token_ids)
-        self._stats.prefix_cache_hits += hits
-        self._stats.prompt_tokens += len(prompt_token_ids) - hits
+        self._counts["prefix_cache_queries"] += len(prompt_token_ids)
+        self._counts["prefix_cache_hits"] += hits
+        self._counts["prompt_tokens"] += len(prompt_token_ids) - hits
         metrics.num_cached_tokens = hits
         seqs = [_Sequence(self.tokenizer, params,
                           self.tokenizer.encode(self.reply(prompt_token_ids, params, i), allow_special=True), i)
@@ -179,7 +170,7 @@ class FakeAsyncEngine:
         token = self._choose(seq)
         params = seq.params
         seq.token_ids.append(token)
-        self._stats.generation_tokens += 1
+        self._counts["generation_tokens"] += 1
         if seq.logprobs is not None:
             entry = {token: -0.5}
             for rank in range(params.logprobs):
