@@ -101,9 +101,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     def attention(i: int, h: jax.Array) -> jax.Array:
         nonlocal state, conv, pages, scales
         if cfg.layer_types[i] == "kda":
-            j = kda_j[i]
-            out, s_j, c_j = kda_layer(model.kda, j, h, state[j], conv[j], step, layout, cfg, impl=impl)
-            state, conv = state.at[j].set(s_j), conv.at[j].set(c_j)
+            out, state, conv = kda_layer(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
             return out
         out, pages, scales = mla_layer(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
                                        form=mla_form)

@@ -88,13 +88,29 @@ def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     return (y * jax.nn.sigmoid(gate.astype(F32))).astype(o.dtype)
 
 
-def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_pool: jax.Array,
+def kda_layer(p: KDAStack, j: int, x: jax.Array, state: jax.Array, conv: jax.Array,
               step: StepInputs, layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """KDA layer ``j`` on a packed step.
 
-    x [T, D]; state_pool [S, HV, K, V]; conv_pool [S, W-1, C] -> (out [T, D], state_pool, conv_pool) with the
-    sequences' live slots (and requested checkpoint slots) updated."""
+    x [T, D]; state [L, S, HV, K, V]; conv [L, S, W-1, C] (all KDA layers' pools) -> (out [T, D], state, conv)
+    with layer j's live slots (and requested checkpoint slots) updated.
+
+    The ops see the pools flattened to ``[L*S, ...]`` (a free reshape) with slot ids offset by ``j*S``: a slice
+    ``state[j]`` handed to a Pallas call would be copied whole, twice per layer and step."""
+    num_layers, num_slots = state.shape[:2]
+    offset = j * num_slots
+    state_pool = state.reshape((num_layers * num_slots,) + state.shape[2:])
+    conv_pool = conv.reshape((num_layers * num_slots,) + conv.shape[2:])
+    out, state_pool, conv_pool = _kda_layer_flat(p, j, x, state_pool, conv_pool, step.state_slots + offset,
+                                                 step.checkpoint_slots + offset, step, layout, cfg, impl)
+    return out, state_pool.reshape(state.shape), conv_pool.reshape(conv.shape)
+
+
+def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkpoint_slots, step: StepInputs,
+                    layout: TokenLayout, cfg: ModelConfig, impl):
+    """:func:`kda_layer` on flat pools ``[L*S, ...]`` with absolute slot ids ``slots [N]``,
+    ``checkpoint_slots [N, P]``."""
     t_rows = x.shape[0]
     h, hv, k, v = cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
     qkv = jnp.concatenate([linear(x, p.q_proj[j]), linear(x, p.k_proj[j]), linear(x, p.v_proj[j])], axis=-1)
@@ -102,11 +118,11 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
     beta_logits = linear(x, p.b_proj[j]).astype(F32)  # [T, HV]
     gate = linear(x, p.g_proj[j]) if cfg.kda_full_rank_gate else linear(linear(x, p.g_a[j]), p.g_b[j])
     if step.decode_only:
-        return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, step, cfg, impl)
+        return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, step, cfg, impl)
 
     fresh = (step.context_lens == 0)
-    old_conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[step.state_slots])  # [N, W-1, C]
-    init_state = jnp.where(fresh[:, None, None, None], 0.0, state_pool[step.state_slots].astype(F32))
+    old_conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots])  # [N, W-1, C]
+    init_state = jnp.where(fresh[:, None, None, None], 0.0, state_pool[slots].astype(F32))
 
     windows = conv_windows(qkv, old_conv, step, layout)  # [T, W, C]
     conv = jnp.einsum("twc,cw->tc", windows.astype(F32), p.conv[j])
@@ -133,11 +149,11 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
     # Write back the live state of every sequence (padded sequences write their unchanged scratch slot).
     starts = step.cu_seqlens[:-1]
     new_conv = conv_state_at(qkv, old_conv, starts, layout.q_lens[:, None])[:, 0]
-    state_pool = state_pool.at[step.state_slots].set(final.astype(state_pool.dtype))
-    conv_pool = conv_pool.at[step.state_slots].set(new_conv.astype(conv_pool.dtype))
+    state_pool = state_pool.at[slots].set(final.astype(state_pool.dtype))
+    conv_pool = conv_pool.at[slots].set(new_conv.astype(conv_pool.dtype))
     if want_ck:
         oob = state_pool.shape[0]  # dropped by the scatter
-        dst = jnp.where(ck_valid, step.checkpoint_slots, oob).reshape(-1)
+        dst = jnp.where(ck_valid, checkpoint_slots, oob).reshape(-1)
         ck_conv = conv_state_at(qkv, old_conv, starts, jnp.maximum(ck_rel, 0))
         state_pool = state_pool.at[dst].set(ckpts.reshape((-1,) + final.shape[1:]).astype(state_pool.dtype),
                                             mode="drop")
@@ -146,8 +162,8 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state_pool: jax.Array, conv_poo
     return out, state_pool, conv_pool
 
 
-def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, step: StepInputs,
-            cfg: ModelConfig, impl):
+def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots,
+            step: StepInputs, cfg: ModelConfig, impl):
     """One token per sequence (row i = sequence i, all with cached context): the fused decode op updates the
     slots' conv and recurrent state in place and returns the gated-normed output."""
     t_rows = x.shape[0]
@@ -155,5 +171,5 @@ def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, c
         raise ValueError(f"decode_only steps need one row per sequence, got T={t_rows}, N={step.num_seqs}")
     y, conv_pool, state_pool = kda_ops.fused_recurrent_kda(
         qkv, p.conv[j], conv_pool, g_raw.reshape(t_rows, -1), beta_logits, p.A_log[j], p.dt_bias[j], state_pool,
-        step.state_slots, gate, p.o_norm[j], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, impl=impl)
+        slots, gate, p.o_norm[j], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, impl=impl)
     return linear(y.astype(x.dtype), p.o_proj[j]), state_pool, conv_pool
