@@ -1,6 +1,7 @@
 """H200 benchmark: MXFP4 grouped W4A16 GEMM vs bf16 grouped GEMMs at Kimi K3 expert shapes.
 
-Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``).
+Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``;
+``BENCH_SUITE=decode`` for the decode-sized cases only).
 Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
@@ -26,6 +27,7 @@ from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_group
 TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
 REPS = 8
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
+SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": only the decode-sized cases (split-K sweep)
 START = time.time()
 
 ALL_CFGS = {
@@ -38,18 +40,29 @@ ALL_CFGS = {
     "m128n128k64w8s3": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     "m128n256k64w8s3": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
     "m64n128k128w8s4": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4),
+    # split-K (decode: a few experts' tiles alone cannot fill 132 SMs)
+    "m16n64k128w4s4L_k2": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True,
+                               split_k=2),
+    "m16n64k128w4s4L_k3": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True,
+                               split_k=3),
+    "m16n64k128w4s4L_k4": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True,
+                               split_k=4),
+    "m16n128k128w4s4_k2": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, split_k=2),
+    "m16n128k128w4s4_k4": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, split_k=4),
 }
 # Tilings swept per format and regime (plus tile_config's default): the configs that won, or came within 5%,
 # somewhere in the full 9-config sweep of the 2026-11-30 run (kept short so the whole grid fits one call).
 SWEEPS = {
-    ("decode", "mxfp4"): ("m16n64k256w4s4", "m16n32k512w4s3", "m16n64k128w4s4L"),
-    ("decode", "bf16"): ("m16n128k256w4s4", "m16n128k256w8s3L", "m16n64k128w4s4L"),
+    ("decode", "mxfp4"): ("m16n64k256w4s4", "m16n32k512w4s3", "m16n64k128w4s4L", "m16n64k128w4s4L_k2",
+                          "m16n64k128w4s4L_k3", "m16n64k128w4s4L_k4"),
+    ("decode", "bf16"): ("m16n128k256w4s4", "m16n128k256w8s3L", "m16n64k128w4s4L", "m16n64k128w4s4L_k2",
+                         "m16n64k128w4s4L_k3", "m16n128k128w4s4_k2", "m16n128k128w4s4_k4"),
     ("prefill", "mxfp4"): ("m64n128k64w4s3", "m128n256k64w8s3"),
     ("prefill", "bf16"): ("m64n128k64w4s3", "m128n128k64w8s3", "m128n256k64w8s3"),
     ("down", "mxfp4"): (),
     ("down", "bf16"): (),
 }
-DECODE_CFGS = {name: ALL_CFGS[name] for name in SWEEPS[("decode", "mxfp4")]}  # dense probe
+DECODE_CFGS = {name: ALL_CFGS[name] for name in SWEEPS[("decode", "mxfp4")][:3]}  # dense probe
 CHECKED_CFGS = {name: ALL_CFGS[name] for names in SWEEPS.values() for name in names}
 
 
@@ -60,10 +73,10 @@ def matmul_rate(m=8192, n=6144, k=3584):
                                  (a, b))
 
 
-def route(tokens, experts, rng):
-    """Local group sizes for ``tokens`` routed top-16 of 896 experts, uniformly at random."""
-    picks = np.argsort(rng.random((tokens, TOTAL_EXPERTS)), axis=1)[:, :TOP_K]
-    return np.bincount(picks.ravel(), minlength=TOTAL_EXPERTS)[:experts].astype(np.int32)
+def route(tokens, experts, rng, total=TOTAL_EXPERTS, top_k=TOP_K):
+    """Local group sizes for ``tokens`` routed top-k of ``total`` experts, uniformly at random."""
+    picks = np.argsort(rng.random((tokens, total)), axis=1)[:, :top_k]
+    return np.bincount(picks.ravel(), minlength=total)[:experts].astype(np.int32)
 
 
 def random_mxfp4(rng, experts, n, k):
@@ -80,7 +93,7 @@ def random_bf16(rng, shape):
 def check_correctness(rng):
     """Every config vs the float32 reference on a small ragged problem (zero groups, all codes, wide scales)."""
     results = {}
-    e, n, k, m = 6, 256, 512, 300
+    e, n, k, m = 6, 256, 1536, 300  # K: 3, 6 or 12 steps of every swept block_k, so every split_k divides
     packed, scales = random_mxfp4(rng, e, n, k)
     scales = scales.at[0].set(jnp.asarray(rng.integers(0, 3, (n, k // 32)), jnp.uint8))  # 2**-127 .. 2**-125
     scales = scales.at[1].set(jnp.asarray(rng.integers(230, 236, (n, k // 32)), jnp.uint8))
@@ -99,9 +112,8 @@ def check_correctness(rng):
     for name, cfg in CHECKED_CFGS.items():
         results[f"mxfp4/{name}"] = rel(grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **cfg),
                                        want)
-        cfg16 = {k_: v for k_, v in cfg.items()}
         results[f"bf16/{name}"] = rel(grouped_gemm_pallas(x[77:], (w16,), gs.at[:2].set(0), weight_format="bf16",
-                                                          **cfg16), want16)
+                                                          **cfg), want16)
     for name, fn in mgpu_variants().items():
         try:
             results[f"bf16/{name}"] = rel(fn(x[77:], w16, gs.at[:2].set(0)), want16)
@@ -139,8 +151,8 @@ def past_deadline(name):
     return time.time() - START > DEADLINE_S and not name.endswith("default")
 
 
-def bench_case(rng, tokens, experts, n, k, regime, record):
-    gs_np = route(tokens, experts, rng)
+def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, top_k=TOP_K):
+    gs_np = route(tokens, experts, rng, total, top_k)
     m = max(int(gs_np.sum()), 1)
     gs = jnp.asarray(gs_np)
     touched = int((gs_np > 0).sum())
@@ -220,20 +232,26 @@ def main():
             json.dump(result, f, indent=1)
 
     save()
-    try:
-        result["dense_m64_k7168_n2048_s"] = dense_case(rng)
-    except Exception as err:  # noqa: BLE001 - the grouped grid matters more
-        result["dense_m64_k7168_n2048_s"] = f"error: {type(err).__name__}: {str(err)[:200]}"
-    print(json.dumps(result["dense_m64_k7168_n2048_s"], indent=0), flush=True)
+    decode_only = SUITE == "decode"
+    if not decode_only:
+        try:
+            result["dense_m64_k7168_n2048_s"] = dense_case(rng)
+        except Exception as err:  # noqa: BLE001 - the grouped grid matters more
+            result["dense_m64_k7168_n2048_s"] = f"error: {type(err).__name__}: {str(err)[:200]}"
+        print(json.dumps(result["dense_m64_k7168_n2048_s"], indent=0), flush=True)
     cases = result["grouped"] = []
     plan = [(t, 56, "decode") for t in (1, 8, 64, 256)] + [(256, 112, "decode")]
-    plan += [(t, 56, "prefill") for t in (1024, 8192)] + [(8192, 112, "prefill")]
+    if not decode_only:
+        plan += [(t, 56, "prefill") for t in (1024, 8192)] + [(8192, 112, "prefill")]
     for tokens, experts, regime in plan:  # gate+up fused: N = 2 * 3072, K = 3584
         bench_case(rng, tokens, experts, 2 * WIDTH, LATENT, regime, cases)
         save()
         print(f"done T={tokens} E={experts} at {time.time() - START:.0f}s", flush=True)
-    for tokens in (64, 8192):  # down projection: N = 3584, K = 3072
+    for tokens in (64,) if decode_only else (64, 8192):  # down projection: N = 3584, K = 3072
         bench_case(rng, tokens, 56, LATENT, WIDTH, "down", cases)
+        save()
+    for tokens in (1, 16, 64):  # Kimi-Linear-48B experts as the engine calls them: w1 / w3 N=1024, K=2304, top-8
+        bench_case(rng, tokens, 256, 1024, 2304, "decode", cases, total=256, top_k=8)
         save()
     bw, rate = result["copy_bandwidth_Bps"], result["bf16_matmul_flops"]
     print(f"\n{'T':>5} {'E':>4} {'M':>5} {'N':>5} {'K':>5} | {'mxfp4 us':>9} {'%copyBW':>7} {'%bf16mm':>7} "

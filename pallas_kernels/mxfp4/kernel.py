@@ -1,9 +1,9 @@
 """Grouped W4A16 / bf16 GEMM as a Triton-style Pallas kernel over rows sorted by expert.
 
-Grid ``(T, N / block_n)``: program ``(t, j)`` computes rows ``[first_row_t, end_row_t)`` (at most ``block_m``)
-of expert ``e_t`` for output columns ``[j * block_n, (j + 1) * block_n)``; the tile schedule comes from
-:mod:`pallas_kernels.mxfp4.tiles` and is read inside the kernel (Triton has no scalar prefetch). The K loop
-streams ``block_k`` columns of the weights per step; MXFP4 tiles are decoded to bf16 in registers:
+Grid ``(T, N / block_n, split_k)``: program ``(t, j, s)`` computes rows ``[first_row_t, end_row_t)`` (at most
+``block_m``) of expert ``e_t`` for output columns ``[j * block_n, (j + 1) * block_n)`` over part s of K; the tile
+schedule comes from :mod:`pallas_kernels.mxfp4.tiles` and is read inside the kernel (Triton has no scalar
+prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4 tiles are decoded to bf16 in registers:
 
 * E2M1 magnitude ``c`` (3 bits) -> bf16 bits ``0x3F00 + (c << 6)`` is exact for ``c >= 2`` (exponent ``e + 126``,
   mantissa bit ``m``); codes 0 and 1 (0 and 0.5) are selected as ``c * 0x3F00``; the sign goes to bit 15.
@@ -50,15 +50,17 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs):
+                    weights_lhs, split_k):
     *w_refs, o_ref = refs
-    t, j = pl.program_id(0), pl.program_id(1)
+    t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
     expert = group + offset_ref[0]  # row of the weight arrays
     rows = pl.ds(first_row, block_m)
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+    # split_k > 1: fp32 partial sums [M, split_k * N], part ``split`` in columns [split * N, (split + 1) * N)
+    out_cols = pl.ds(pl.multiple_of((split * (o_ref.shape[1] // split_k)) + j * block_n, block_n), block_n)
     row_mask = (first_row + jnp.arange(block_m)) < end_row
-    num_k = x_ref.shape[1] // block_k
+    num_k = x_ref.shape[1] // block_k // split_k  # K steps of this program, from ``split * num_k``
 
     def weight_tile(k):  # bf16 [block_n, block_k]
         k_cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
@@ -83,21 +85,21 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
     @pl.when((group >= 0) & (group < num_experts))
     def _():
         acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
-        acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros(acc_shape, jnp.float32))
+        acc = jax.lax.fori_loop(split * num_k, (split + 1) * num_k, body, jnp.zeros(acc_shape, jnp.float32))
         acc = acc.T if weights_lhs else acc
-        pltriton.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_mask[:, None])
+        pltriton.store(o_ref.at[rows, out_cols], acc.astype(o_ref.dtype), mask=row_mask[:, None])
 
     @pl.when(group == num_experts)  # rows past sum(group_sizes)
     def _():
-        pltriton.store(o_ref.at[rows, cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
+        pltriton.store(o_ref.at[rows, out_cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs"))
+                                             "num_stages", "weights_lhs", "split_k"))
 def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
                         expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                         block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                        weights_lhs: bool = False) -> jax.Array:
+                        weights_lhs: bool = False, split_k: int = 1) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E', K, N],)`` for ``"bf16"``,
     ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``;
     group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (an int32 scalar, traced: so the
@@ -105,7 +107,9 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every
     layer shares one compiled kernel; the caller keeps ``expert_offset + E <= E'``) -> ``[M, N]`` in
     ``x.dtype`` (fp32 accumulation; rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
-    dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation)."""
+    dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation). ``split_k``
+    (dividing ``K / block_k``) cuts every tile's K loop across that many programs, which write fp32 partial sums
+    that are then added: at decode a few experts' tiles alone cannot fill the GPU."""
     num_rows, dim_k = x.shape
     num_experts = group_sizes.shape[0]
     if weight_format == "bf16":
@@ -116,18 +120,26 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
         raise ValueError(f"unknown weight_format {weight_format!r}")
     if dim_k % block_k or dim_n % block_n or (weight_format == "mxfp4" and block_k % MX_BLOCK):
         raise ValueError(f"K={dim_k} / N={dim_n} must be multiples of block_k={block_k} / block_n={block_n}")
+    if split_k < 1 or (dim_k // block_k) % split_k:
+        raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
     schedule = make_tile_schedule(group_sizes, num_rows, block_m)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)  # noqa: E731 - full-array ref
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     offset = jnp.asarray(expert_offset, jnp.int32).reshape(1)
     kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
-                               block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs)
-    return pl.pallas_call(
+                               block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs,
+                               split_k=split_k)
+    out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
+        (num_rows, split_k * dim_n), jnp.float32)
+    result = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype),
-        grid=(schedule.shape[1], dim_n // block_n),
+        out_shape=out,
+        grid=(schedule.shape[1], dim_n // block_n, split_k),
         in_specs=[whole(schedule), whole(offset), whole(x), *(whole(w) for w in weights)],
-        out_specs=pl.BlockSpec((num_rows, dim_n), lambda t, j: (0, 0)),
+        out_specs=whole(out),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret_mode(),
         name=f"grouped_gemm_{weight_format}",
     )(schedule, offset, x, *weights)
+    if split_k == 1:
+        return result
+    return jnp.sum(result.reshape(num_rows, split_k, dim_n), axis=1).astype(x.dtype)

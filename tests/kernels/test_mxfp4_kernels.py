@@ -16,7 +16,7 @@ from kimi_jax.quant.mxfp4 import E2M1_VALUES
 from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_reference, mxfp4_grouped_matmul,
                                   mxfp4_grouped_matmul_reference, mxfp4_matmul, mxfp4_matmul_reference)
 from pallas_kernels.mxfp4.kernel import _e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_pallas
-from pallas_kernels.mxfp4.tiles import make_tile_schedule
+from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
 SMALL_TILES = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
@@ -129,3 +129,41 @@ def test_every_layer_shares_one_compiled_kernel():
     assert grouped_gemm_pallas._cache_size() == size
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
+
+
+def test_tile_bound_is_tight_at_decode_and_never_too_small():
+    """Few rows over many experts need few tiles (the grid launches no crowd of idle programs), and the bound
+    still covers the worst case: every row a group of its own, or one full group plus ragged ones."""
+    assert max_num_tiles(8, 256, 16) == 8
+    assert max_num_tiles(2, 56, 16) == 2
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        e, m, bm = int(rng.integers(1, 40)), int(rng.integers(1, 120)), int(rng.choice([1, 4, 16, 64]))
+        sizes = np.bincount(rng.integers(0, e + 1, m), minlength=e + 1)  # group e: the rows past the experts'
+        needed = int(np.sum(-(-sizes // bm)))
+        assert needed <= max_num_tiles(m, e, bm)
+        sched = np.asarray(make_tile_schedule(jnp.asarray(sizes[:e], jnp.int32), m, bm))
+        valid = sched[0] >= 0
+        assert valid.sum() == needed
+        covered = np.zeros(m, int)
+        for g, first, end in sched[:, valid].T:
+            covered[first:min(first + bm, end)] += 1
+        assert np.all(covered == 1)
+
+
+@pytest.mark.parametrize("weight_format", ["mxfp4", "bf16"])
+def test_split_k_equals_one_pass(weight_format):
+    """``split_k`` cuts the K loop over programs and adds fp32 partials: same result within bf16 output rounding,
+    zero rows past the groups, and a clear error when it does not divide the K steps."""
+    x, packed, scales, gs = random_problem(21, [5, 0, 30], NUM_ROWS)
+    if weight_format == "mxfp4":
+        weights, want = (packed, scales), mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+    else:
+        w = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64, 16)), jnp.bfloat16)
+        weights, want = (w,), grouped_matmul_reference(x, w, gs)
+    got = grouped_gemm_pallas(x, weights, gs, weight_format=weight_format, split_k=2, **SMALL_TILES)
+    assert got.dtype == jnp.bfloat16
+    assert_rows_close(got, want)
+    assert not np.asarray(got[35:], np.float32).any()
+    with pytest.raises(ValueError, match="split_k=3"):
+        grouped_gemm_pallas(x, weights, gs, weight_format=weight_format, split_k=3, **SMALL_TILES)
