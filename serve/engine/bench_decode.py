@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     setup = time.perf_counter() - start
     print(f"{jax.devices()[0].device_kind}: {args.preset} x {n} layers {cfg.layer_types}, "
           f"{sum(p.nbytes for p in runner.params) / 1e9:.2f} GB params; setup {setup:.1f}s "
-          f"(warm-up {runner.warm_up_seconds:.1f}s, {runner.num_executables} executables)", flush=True)
+          f"(warm-up {runner.warm_up_seconds:.1f}s, {runner.num_executables} executables; largest step temporaries "
+          f"{max(runner.step_temp_bytes.values()) / 1e9:.2f} GB)", flush=True)
 
     rng = np.random.default_rng(0)
     rows = []
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['host_serial_ms']:.2f} | {r['host_overlapped_ms']:.2f} | {r['host_overhead']:.1%} | "
               f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} |")
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-        json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows, ttft=ttft), f,
+        json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows, ttft=ttft,
+                       step_temp_bytes={str(k): v for k, v in runner.step_temp_bytes.items()}), f,
                   indent=1)
 
 

@@ -46,6 +46,7 @@ from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.impl import resolve_impl
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
+from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
 from serve.engine.outputs import SampledTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -214,6 +215,7 @@ class ModelRunner:
         self.buckets = self.config.buckets
         self._neutral: dict[int, dict[str, jax.Array]] = {}
         self._steps: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
+        self.step_temp_bytes: dict[tuple[int, int, int, bool, bool], int] = {}  # temporaries per step executable
         self._layouts: dict[tuple[int, int, int, bool], PackedLayout] = {}
         self._copy = self._poison = None
         self._last_launch = None
@@ -300,7 +302,24 @@ class ModelRunner:
         self._copy = compiled.pop("copy")
         self._poison = compiled.pop("poison", None)
         self._steps = compiled
+        self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
+        if self.on_gpu:
+            self._check_step_memory()
         self.warm_up_seconds = time.perf_counter() - start
+
+    def _check_step_memory(self) -> None:
+        """Fail at start-up, not mid-serving, when a step's temporaries do not fit beside weights and pools."""
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+        def describe(key) -> str:
+            top = large_buffers(self._steps[key].as_text(), min_bytes=256 << 20, limit=4)
+            return "; its largest buffers: " + ", ".join(f"{name} ({op}, {size / GIB:.2f} GiB)"
+                                                          for size, name, op in top) if top else ""
+
+        check_step_memory(self.step_temp_bytes, free, describe)
 
     @property
     def num_executables(self) -> int:
