@@ -19,6 +19,9 @@ def _fit(tile: int, dim: int) -> int:
     return tile
 
 
+SPLIT_K_BELOW_PROGRAMS = 264  # two programs per SM of the H200
+
+
 def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_format: str) -> dict:
     """Kernel tiles for a problem size (static shapes): the fastest configs of the H200 sweep in bench.py,
     shrunk to powers of two that divide ``N`` and ``K``."""
@@ -31,7 +34,15 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-    return {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
+    cfg = {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
+    # Too few (expert, column-tile) programs to fill the GPU: split K in two (or three, whichever divides the K
+    # steps). H200, 2026-11-30 (BENCHMARKS.md): one expert of N=6144 (96 programs) ran 1.29x (MXFP4) / 1.45x
+    # (bf16) faster with two; 13 experts (1248 programs) ran the same either way.
+    programs = min(num_rows, num_experts) * (dim_n // cfg["block_n"])
+    steps = dim_k // cfg["block_k"]
+    if programs < SPLIT_K_BELOW_PROGRAMS:
+        cfg["split_k"] = next((split for split in (2, 3) if steps % split == 0), 1)
+    return cfg
 
 
 def _flatten_layers(layer: int | None, *weights: jax.Array) -> tuple[tuple[jax.Array, ...], int]:

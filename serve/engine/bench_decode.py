@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="kimi-linear-48b")
     parser.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="routed experts held (0: the preset's); e.g. 112 = K3's per-device share under EP8")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     full = get_preset(args.preset)
     n = args.layers
-    cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n])
+    cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
+                       num_experts=args.experts or full.num_experts)
     model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
     max_batch = max(args.batches)
     decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2

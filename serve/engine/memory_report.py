@@ -13,9 +13,15 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]
 
 def large_buffers(hlo_text: str, min_bytes: int, limit: int = 8) -> list[tuple[int, str, str]]:
     """Instructions of an optimised HLO module (``compiled.as_text()``) with an array result of at least
-    ``min_bytes``: ``[(bytes, name, opcode)]``, largest first, at most ``limit`` (parameters excluded)."""
+    ``min_bytes``: ``[(bytes, name, opcode)]``, largest first, at most ``limit``. Only the ENTRY computation is
+    read (instructions inside fusions are not buffers); parameters are excluded."""
     found = []
-    for line in hlo_text.splitlines():
+    lines = hlo_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
+    if start is not None:
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("}")), len(lines))
+        lines = lines[start + 1:end]
+    for line in lines:
         match = _INSTRUCTION.match(line)
         if not match or match.group(4) == "parameter" or match.group(2) not in _DTYPE_BYTES:
             continue
