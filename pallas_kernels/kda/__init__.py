@@ -103,15 +103,24 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
 def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                         gate_logits, o_norm_weight, *, lower_bound=None, scale=None, eps: float = 1e-5,
-                        block_v: int | None = None, impl=None):
+                        block_v: int | None = None, split_v: int | None = None, impl=None):
     """One decode token per sequence, pools updated in place at ``slots``.
 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
+    ``split_v`` (Pallas): spread each state over ``V / split_v`` programs of ``[K, split_v]`` slices
+    (``recurrent.fused_recurrent_kda_split_v_pallas``; the conv shift and gated RMSNorm then run in XLA)
+    instead of one program per (sequence, head) doing everything.
 
     Returns:
       ``(y [N, HV*V], conv_state [S, W-1, C], state [S, HV, K, V])``.
     """
+    if split_v is not None and resolve_impl(impl) == "pallas":
+        from pallas_kernels.kda.recurrent import fused_recurrent_kda_split_v_pallas
+
+        return fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log,
+                                                  dt_bias, state, slots, gate_logits, o_norm_weight,
+                                                  lower_bound=lower_bound, scale=scale, eps=eps, block_v=split_v)
     y, conv_state, state = fused_recurrent_kda_verify(
         mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias, state,
         slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale, eps=eps,

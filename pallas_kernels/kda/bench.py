@@ -252,12 +252,14 @@ REST_ORDER = tuple(a for a in ARG_ORDER if a not in ("conv_state", "state"))
 
 DECODE_BLOCK_V = (32, 64)
 """Extra V-slice widths of our decode kernel timed next to the default (whole V per program)."""
+DECODE_SPLIT_V = (8, 16, 32)
+"""Slice widths of the split-V decode kernel (one program per [K, split_v] slice; conv shift + norm in XLA)."""
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block_v"), donate_argnums=(0, 1))
-def decode_step(conv_state, state, *rest, impl, block_v=None):
+@functools.partial(jax.jit, static_argnames=("impl", "block_v", "split_v"), donate_argnums=(0, 1))
+def decode_step(conv_state, state, *rest, impl, block_v=None, split_v=None):
     return fused_recurrent_kda(conv_state=conv_state, state=state, lower_bound=LOWER_BOUND, impl=impl,
-                               block_v=block_v, **dict(zip(REST_ORDER, rest)))
+                               block_v=block_v, split_v=split_v, **dict(zip(REST_ORDER, rest)))
 
 
 class DecodeCase:
@@ -283,16 +285,19 @@ class DecodeCase:
             row = self.row
             row["err_vs_ref_y"], row["err_vs_ref_state"] = rel_err(y, y_r), rel_err(st, st_r)
             row["err_vs_ref_conv"] = rel_err(cs, cs_r)
+            y, cs, st = decode_step(*self.pools(), *self.rest, impl="pallas", split_v=DECODE_SPLIT_V[0])
+            row["split_v_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             print(f"check {self.name}: rel err y {row['err_vs_ref_y']:.1e} state {row['err_vs_ref_state']:.1e} "
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
     def time(self, impl):
-        variants = [("ours_s", None)] + [(f"ours_bv{bv}_s", bv) for bv in DECODE_BLOCK_V]
-        for label, block_v in variants if impl == "pallas" else [("xla_ref_s", None)]:
+        variants = [("ours_s", None, None)] + [(f"ours_bv{bv}_s", bv, None) for bv in DECODE_BLOCK_V]
+        variants += [(f"ours_split{sv}_s", None, sv) for sv in DECODE_SPLIT_V]
+        for label, block_v, split_v in variants if impl == "pallas" else [("xla_ref_s", None, None)]:
             pools = self.pools()
 
             def run():
-                pools[:] = decode_step(*pools, *self.rest, impl=impl, block_v=block_v)[1:]
+                pools[:] = decode_step(*pools, *self.rest, impl=impl, block_v=block_v, split_v=split_v)[1:]
                 return pools[1]
 
             self.row[label] = time_jax(run, iters=50 if impl == "pallas" else 10)

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.impl import interpret_mode
-from pallas_kernels.kda.reference import gate_from_logits
+from pallas_kernels.kda.reference import gate_from_logits, gated_rms_norm
 
 L2_EPS = 1e-6
 
@@ -130,3 +130,77 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="kda_fused_recurrent",
     )(*inputs)
+
+
+def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, state_in_ref,
+                    slots_ref, o_ref, state_ref, *, group, width, scale, lower_bound, block_v):
+    seq, value_head, v_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = state_ref.shape[-2]
+    qk_width = (mixed_ref.shape[1] - state_ref.shape[1] * state_ref.shape[-1]) // 2
+    head = value_head // group
+    slot = slots_ref[seq]
+
+    def conv_silu(offset, size):
+        """Causal conv of the W-1 cached inputs + the new one, then SiLU: fp32 ``[size]``."""
+        c = (conv_w_ref[pl.ds(offset, size), width - 1].astype(jnp.float32)
+             * mixed_ref[seq, pl.ds(offset, size)].astype(jnp.float32))
+        for j in range(width - 1):
+            c += (conv_w_ref[pl.ds(offset, size), j].astype(jnp.float32)
+                  * conv_state_ref[slot, j, pl.ds(offset, size)].astype(jnp.float32))
+        return c * jax.nn.sigmoid(c)
+
+    def l2norm(x):
+        return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
+
+    q = l2norm(conv_silu(head * head_dim, head_dim)) * scale
+    k = l2norm(conv_silu(qk_width + head * head_dim, head_dim))
+    v_col = value_head * state_ref.shape[-1] + v_block * block_v
+    v = conv_silu(2 * qk_width + v_col, block_v)
+    decay_scale = jnp.exp(a_log_ref[value_head].astype(jnp.float32))
+    g = jnp.exp(gate_from_logits(g_ref[seq, pl.ds(value_head * head_dim, head_dim)].astype(jnp.float32)
+                                 + dt_bias_ref[value_head, :].astype(jnp.float32), decay_scale, lower_bound))
+    beta = jax.nn.sigmoid(beta_ref[seq, value_head].astype(jnp.float32))
+    cols = pl.ds(pl.multiple_of(v_block * block_v, block_v), block_v)
+    state = state_in_ref[slot, value_head, :, cols].astype(jnp.float32) * g[:, None]  # [K, block_v]
+    error = v - jnp.sum(state * k[:, None], axis=0)
+    state = state + beta * k[:, None] * error[None, :]
+    state_ref[slot, value_head, :, cols] = state.astype(state_ref.dtype)
+    o_ref[seq, pl.ds(pl.multiple_of(v_col, block_v), block_v)] = jnp.sum(state * q[:, None], axis=0)
+
+
+def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
+                                       slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
+                                       eps: float = 1e-5, block_v: int = 32, num_warps: int = 1):
+    """Decode step (one token per sequence) with the state split over programs along V.
+
+    Same arguments and results as :func:`pallas_kernels.kda.fused_recurrent_kda` (mixed_qkv ``[N, C]``, g_raw
+    ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, pools updated in place at ``slots``).
+    Grid ``(N, HV, V / block_v)``: each program updates a ``[K, block_v]`` slice of one state (the delta rule's
+    V columns are independent) with few warps, like flash-linear-attention's decode kernel, instead of one
+    program holding the whole ``[K, V]`` state. Every program recomputes its head's q/k conv (K values), so no
+    program may overwrite the conv state that others still read: the kernel only reads the conv pool, and
+    the shift of the conv state and the gated RMSNorm (which needs all of V) are done by XLA around it."""
+    num_seqs, channels = mixed_qkv.shape
+    _, num_value_heads, head_dim, value_dim = state.shape
+    num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
+    if value_dim % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={value_dim}")
+    kernel = functools.partial(
+        _split_v_kernel, group=num_value_heads // num_heads, width=conv_weight.shape[1],
+        scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound, block_v=block_v)
+    inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
+              dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim), state, slots.astype(jnp.int32))
+    out_shape = (jax.ShapeDtypeStruct((num_seqs, num_value_heads * value_dim), jnp.float32),
+                 jax.ShapeDtypeStruct(state.shape, state.dtype))
+    o, state = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(num_seqs, num_value_heads, value_dim // block_v),
+        in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
+        input_output_aliases={7: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret_mode(), name="kda_decode_split_v",
+    )(*inputs)
+    shape = (num_seqs, num_value_heads, value_dim)
+    y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight, eps)
+    shifted = jnp.concatenate([conv_state[slots, 1:], mixed_qkv[:, None].astype(conv_state.dtype)], axis=1)
+    conv_state = conv_state.at[slots].set(shifted)
+    return y.reshape(num_seqs, -1).astype(mixed_qkv.dtype), conv_state, state

@@ -19,7 +19,7 @@ from tests.kernels.helpers import assert_close
 from .test_kda_reference import naive_recurrent_kda
 
 chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "lower_bound", "impl"))
-fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda, static_argnames=("lower_bound", "scale", "eps", "impl"))
+fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda, static_argnames=("lower_bound", "scale", "eps", "split_v", "impl"))
 fused_recurrent_kda_verify = jax.jit(kda.fused_recurrent_kda_verify,
                                      static_argnames=("lower_bound", "scale", "eps", "impl"))
 
@@ -87,11 +87,13 @@ def recurrent_inputs(seed, num_tokens, state_dtype, heads=2, value_heads=4, dim=
                 o_norm_weight=jnp.asarray(rng.uniform(0.5, 1.5, dim), jnp.float32))
 
 
-def test_decode_matches_reference_in_place():
-    """bf16 state pool, lower-bound gate, GVA; slots not in ``slots`` stay untouched."""
+@pytest.mark.parametrize("split_v", [None, 8])
+def test_decode_matches_reference_in_place(split_v):
+    """bf16 state pool, lower-bound gate, GVA; slots not in ``slots`` stay untouched. ``split_v=8``: each state
+    spread over two programs (V=16), conv shift and gated RMSNorm in XLA."""
     x = recurrent_inputs(2, 1, jnp.bfloat16)
     x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
-    ours = fused_recurrent_kda(**x, lower_bound=-5.0, impl="pallas")
+    ours = fused_recurrent_kda(**x, lower_bound=-5.0, split_v=split_v, impl="pallas")
     ref = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
     # fp32 math on both sides; the bf16 pool may round a near-tie the other way: one bf16 ulp (2^-8) on state.
     for name, a, b, tol in zip(("y", "conv_state", "state"), ours, ref, (FP32_TOL, FP32_TOL, BF16_TOL)):
@@ -140,3 +142,16 @@ def test_v_tiled_state_walk_matches_reference(num_tokens):
         assert_close(a, b, FP32_TOL, name)
     with pytest.raises(ValueError, match="block_v"):
         fused_recurrent_kda_pallas(*args, block_v=3)
+
+
+def test_split_v_decode_fp32_softplus_gate_matches_reference():
+    """fp32 pool and inputs, softplus gate, one value head per key head, block_v = V / 4: exact to fp32 rounding;
+    a bad ``split_v`` is a clear error."""
+    x = recurrent_inputs(6, 1, jnp.float32, heads=2, value_heads=2)
+    x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
+    ours = fused_recurrent_kda(**x, split_v=4, impl="pallas")
+    ref = fused_recurrent_kda(**x, impl="reference")
+    for name, a, b in zip(("y", "conv_state", "state"), ours, ref):
+        assert_close(a, b, FP32_TOL, name)
+    with pytest.raises(ValueError, match="block_v=5"):
+        fused_recurrent_kda(**x, split_v=5, impl="pallas")
