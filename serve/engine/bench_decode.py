@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
     parser.add_argument("--experts", type=int, default=0,
                         help="routed experts held (0: the preset's); e.g. 112 = K3's per-device share under EP8")
+    parser.add_argument("--kda-split-v", type=int, default=None,
+                        help="KDA decode: split each state over programs of this many V columns (default: fused)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     from serve.engine.runner import ModelRunner
     from serve.engine.sampling_params import SamplingParams
 
+    from pallas_kernels import kda as kda_ops
+
+    kda_ops.DECODE_SPLIT_V = args.kda_split_v
     start = time.perf_counter()
     full = get_preset(args.preset)
     n = args.layers
