@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, linear, normal, rms_norm
+from kimi_jax.layers.common import F32, constant, normal, rms_norm
 from kimi_jax.layers.ffn import DenseMLPStack, MoEStack, dense_mlp, moe
 from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
@@ -109,7 +109,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
 
     def ffn(i: int, h: jax.Array) -> jax.Array:
         if cfg.mlp_types[i] == "dense":
-            return dense_mlp(model.dense_mlp, dense_j[i], h, cfg)
+            return dense_mlp(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
         return moe(model.moe, moe_j[i], h, cfg, impl=impl)
 
     if cfg.uses_attnres:

@@ -203,13 +203,26 @@ def test_fp8_cache_equals_quantise_dequantise_emulation(lm, rng, monkeypatch):
     assert rel(absorbed, emulated) < 1e-5
 
 
-@pytest.mark.parametrize("split_v", [None, 4])
-def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v):
+@pytest.mark.parametrize("split_v,skinny_rows", [(None, 0), (4, 64)])
+def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v, skinny_rows):
     """A decode_only step with every Pallas kernel (interpret mode: fused or split-V KDA decode over the stacked
-    state pools, absorbed MLA, grouped expert GEMMs) equals the reference ops, cache included."""
+    state pools, absorbed MLA, grouped expert GEMMs, and with ``skinny_rows`` every dense projection through the
+    grouped GEMM on its layer stack) equals the reference ops, cache included."""
+    from kimi_jax.layers import common
     from pallas_kernels import kda as kda_ops
 
+    import pallas_kernels.mxfp4 as gemm_ops
+
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", split_v)
+    monkeypatch.setattr(common, "SKINNY_MAX_ROWS", skinny_rows)
+    dense_calls = []
+    grouped = gemm_ops.grouped_matmul
+
+    def counting(x, w, *args, **kwargs):
+        dense_calls.extend([w.shape] if w.shape[1] == 1 else [])  # a [L, 1, in, out] view of a dense stack
+        return grouped(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(gemm_ops, "grouped_matmul", counting)
     ids = rng.integers(0, lm.config.vocab_size, 7).tolist()
     table = [[1, 2, 3]]
     _, cache = run(lm, new_cache(lm), make_step([ids[:6]], [0], tables=table, slots=[2]))
@@ -220,6 +233,7 @@ def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v):
                       checkpoint_slots=jnp.zeros((1, 0), jnp.int32), decode_only=True)
     got, cache_got = KimiLM(lm.model, impl="pallas").step(jax.tree.map(jnp.copy, cache), step)  # step donates
     want, cache_want = lm.step(cache, step)
+    assert bool(dense_calls) == bool(skinny_rows)
     assert rel(got, want) < 1e-4
     live = slice(1, None)  # slot 0 is the scratch slot of KimiLM.step's padding sequences: garbage either way
     assert rel(cache_got.kda_state[:, live], cache_want.kda_state[:, live]) < 1e-5

@@ -6,12 +6,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.impl import resolve_impl
+
 F32 = jnp.float32
+SKINNY_MAX_ROWS = 0
+"""Row counts up to which :func:`stacked_linear` runs the Pallas grouped GEMM on the whole stack under
+``impl="pallas"`` (0: never, XLA everywhere). Decode-sized; chosen by measurement (``bench_decode
+--skinny-rows``, BENCHMARKS.md)."""
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [..., in] @ w [in, out]`` with fp32 accumulation, result in x's dtype."""
     return jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=F32).astype(x.dtype)
+
+
+def stacked_linear(x: jax.Array, stack: jax.Array, j: int, *, impl: str | None = None) -> jax.Array:
+    """``linear(x, stack[j])`` for ``x [T, in]`` and a layer-stacked weight ``stack [L, in, out]``.
+
+    With ``impl="pallas"`` and ``T <= SKINNY_MAX_ROWS``, the grouped GEMM reads layer j in place (one group of
+    T rows at expert offset j, split-K for parallelism): for one-row GEMMs XLA copies the ``stack[j]`` slice first
+    (2.9 ms of a 6.3 ms K3 batch-1 step on the H200) and lowers small ones as reductions over few blocks."""
+    if x.ndim == 2 and x.shape[0] <= SKINNY_MAX_ROWS and resolve_impl(impl) == "pallas":
+        from pallas_kernels.mxfp4 import grouped_matmul
+
+        rows = jnp.full((1,), x.shape[0], jnp.int32)
+        return grouped_matmul(x.astype(stack.dtype), stack[:, None], rows, layer=j, impl="pallas").astype(x.dtype)
+    return linear(x, stack[j])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -9,13 +9,15 @@ E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, glu, linear, rms_norm
+from kimi_jax.layers.common import F32, constant, fan_in_normal, glu, rms_norm, stacked_linear
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
 from pallas_kernels.impl import resolve_impl
@@ -33,8 +35,10 @@ class DenseMLPStack(nnx.Module):
         self.down = fan_in_normal(rngs, (n, f, d), dtype)
 
 
-def dense_mlp(p: DenseMLPStack, j: int, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return linear(glu(linear(x, p.gate[j]), linear(x, p.up[j]), cfg), p.down[j])
+def dense_mlp(p: DenseMLPStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
+    """Dense GLU MLP layer ``j``: x [T, D] -> [T, D]."""
+    proj = functools.partial(stacked_linear, j=j, impl=impl)
+    return proj(glu(proj(x, p.gate), proj(x, p.up), cfg), p.down)
 
 
 def _random_mxfp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> tuple[nnx.Param, nnx.Param]:
@@ -138,12 +142,13 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
 def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
     """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D]."""
     weights, idx = route(x, p.router[j], p.router_bias[j], cfg)
-    z = linear(x, p.latent_down[j]) if cfg.latent_dim is not None else x
+    z = stacked_linear(x, p.latent_down, j, impl=impl) if cfg.latent_dim is not None else x
     y = routed_experts(p, j, z, weights, idx, cfg, impl=impl)
     if cfg.latent_dim is not None:
         if cfg.latent_norm:
             y = rms_norm(y, p.latent_norm[j], cfg.rms_norm_eps)
-        y = linear(y, p.latent_up[j])
+        y = stacked_linear(y, p.latent_up, j, impl=impl)
     if cfg.num_shared_experts:
-        y = y + linear(glu(linear(x, p.shared_gate[j]), linear(x, p.shared_up[j]), cfg), p.shared_down[j])
+        proj = functools.partial(stacked_linear, j=j, impl=impl)
+        y = y + proj(glu(proj(x, p.shared_gate), proj(x, p.shared_up), cfg), p.shared_down)
     return y

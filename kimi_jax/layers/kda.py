@@ -8,12 +8,14 @@ Sequences in a packed step never share conv or recurrent state.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, linear, normal
+from kimi_jax.layers.common import F32, constant, fan_in_normal, normal, stacked_linear
 from kimi_jax.step import StepInputs, TokenLayout
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.impl import resolve_impl
@@ -113,10 +115,11 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
     ``checkpoint_slots [N, P]``."""
     t_rows = x.shape[0]
     h, hv, k, v = cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
-    qkv = jnp.concatenate([linear(x, p.q_proj[j]), linear(x, p.k_proj[j]), linear(x, p.v_proj[j])], axis=-1)
-    g_raw = linear(linear(x, p.f_a[j]), p.f_b[j]).astype(F32).reshape(t_rows, hv, k)
-    beta_logits = linear(x, p.b_proj[j]).astype(F32)  # [T, HV]
-    gate = linear(x, p.g_proj[j]) if cfg.kda_full_rank_gate else linear(linear(x, p.g_a[j]), p.g_b[j])
+    proj = functools.partial(stacked_linear, j=j, impl=impl)
+    qkv = jnp.concatenate([proj(x, p.q_proj), proj(x, p.k_proj), proj(x, p.v_proj)], axis=-1)
+    g_raw = proj(proj(x, p.f_a), p.f_b).astype(F32).reshape(t_rows, hv, k)
+    beta_logits = proj(x, p.b_proj).astype(F32)  # [T, HV]
+    gate = proj(x, p.g_proj) if cfg.kda_full_rank_gate else proj(proj(x, p.g_a), p.g_b)
     if step.decode_only:
         return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, step, cfg, impl)
 
@@ -144,7 +147,7 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
         lower_bound=cfg.kda_gate_lower_bound, checkpoint_positions=ck_rel if want_ck else None, impl=chunk_impl)
     o = o[0]  # [T, HV, V]
     y = gated_rms_norm(o, gate.reshape(t_rows, hv, v), p.o_norm[j], cfg.rms_norm_eps)
-    out = linear(y.reshape(t_rows, hv * v), p.o_proj[j])
+    out = stacked_linear(y.reshape(t_rows, hv * v), p.o_proj, j, impl=impl)
 
     # Write back the live state of every sequence (padded sequences write their unchanged scratch slot).
     starts = step.cu_seqlens[:-1]
@@ -173,4 +176,4 @@ def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, c
         qkv, p.conv[j], conv_pool, g_raw.reshape(t_rows, -1), beta_logits, p.A_log[j], p.dt_bias[j], state_pool,
         slots, gate, p.o_norm[j], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps,
         split_v=kda_ops.DECODE_SPLIT_V, impl=impl)
-    return linear(y.astype(x.dtype), p.o_proj[j]), state_pool, conv_pool
+    return stacked_linear(y.astype(x.dtype), p.o_proj, j, impl=impl), state_pool, conv_pool

@@ -35,13 +35,15 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     cfg = {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
-    # Too few (expert, column-tile) programs to fill the GPU: split K in two (or three, whichever divides the K
-    # steps). H200, 2026-11-30 (BENCHMARKS.md): one expert of N=6144 (96 programs) ran 1.29x (MXFP4) / 1.45x
-    # (bf16) faster with two; 13 experts (1248 programs) ran the same either way.
+    # Too few (expert, column-tile) programs to fill the GPU: split K over the smallest divisor of the K steps
+    # that reaches SPLIT_K_BELOW_PROGRAMS programs (or over every step). H200, 2026-11-30 (BENCHMARKS.md): one
+    # expert of N=6144 (96 programs) ran 1.29x (MXFP4) / 1.45x (bf16) faster split in 2, about the same in 4;
+    # 13 experts (1248 programs) ran the same either way.
     programs = min(num_rows, num_experts) * (dim_n // cfg["block_n"])
     steps = dim_k // cfg["block_k"]
-    if programs < SPLIT_K_BELOW_PROGRAMS:
-        cfg["split_k"] = next((split for split in (2, 3) if steps % split == 0), 1)
+    if programs < SPLIT_K_BELOW_PROGRAMS and steps > 1:
+        want = -(-SPLIT_K_BELOW_PROGRAMS // programs)
+        cfg["split_k"] = next((d for d in range(want, steps) if steps % d == 0), steps)
     return cfg
 
 

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="routed experts held (0: the preset's); e.g. 112 = K3's per-device share under EP8")
     parser.add_argument("--kda-split-v", type=int, default=None,
                         help="KDA decode: split each state over programs of this many V columns (default: fused)")
+    parser.add_argument("--skinny-rows", type=int, default=0,
+                        help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
+                             "on the layer stack (default 0: XLA)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -102,7 +105,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from pallas_kernels import kda as kda_ops
 
+    from kimi_jax.layers import common
+
     kda_ops.DECODE_SPLIT_V = args.kda_split_v
+    common.SKINNY_MAX_ROWS = args.skinny_rows
     start = time.perf_counter()
     full = get_preset(args.preset)
     n = args.layers
