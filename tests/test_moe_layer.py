@@ -26,3 +26,30 @@ def test_moe_pallas_equals_reference(variant, rng):
     got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_big_random_parameters_are_drawn_one_matrix_at_a_time(monkeypatch):
+    """Stacks above CHUNK_ELEMENTS are drawn per trailing matrix (bounded temporaries: drawing a K3 expert stack
+    at once needed 237 GB), still with every MXFP4 code and distinct matrices; small ones keep one draw."""
+    import jax
+
+    from kimi_jax.layers import common
+    from kimi_jax.layers.ffn import _random_mxfp4
+
+    def temp_bytes(shape):  # compiled only, never run
+        fn = jax.jit(lambda k: common.draw_in_chunks(k, shape, lambda kk, s: jax.random.bits(kk, s, jnp.uint8)))
+        return fn.lower(jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
+
+    big = (4, 8, 256, 512)
+    whole = temp_bytes(big)
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", 100)
+    assert temp_bytes(big) < whole / 8
+    shape = (2, 3, 16, 64)  # [L, E, out, in]
+    packed, scales = _random_mxfp4(nnx.Rngs(0), shape, 0.1)
+    p = np.asarray(packed[...])
+    assert p.shape == (2, 3, 16, 32) and scales[...].shape == (2, 3, 16, 2)
+    assert len(np.unique(np.stack([p & 15, p >> 4]))) == 16
+    flat = p.reshape(6, -1)
+    assert len({row.tobytes() for row in flat}) == 6  # every expert matrix drawn from its own key
+    w = common.normal(nnx.Rngs(1), (4, 8, 32), 0.5, jnp.float32)[...]
+    assert w.shape == (4, 8, 32) and 0.35 < float(jnp.std(w)) < 0.65

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,6 +11,7 @@ from flax import nnx
 from pallas_kernels.impl import resolve_impl
 
 F32 = jnp.float32
+CHUNK_ELEMENTS = 1 << 26  # random parameters larger than this are drawn one trailing matrix at a time
 SKINNY_MAX_ROWS = 0
 """Row counts up to which :func:`stacked_linear` runs the Pallas grouped GEMM on the whole stack under
 ``impl="pallas"`` (0: never, XLA everywhere). Decode-sized; chosen by measurement (``bench_decode
@@ -60,9 +63,20 @@ def glu(gate: jax.Array, up: jax.Array, cfg) -> jax.Array:
     return silu_glu(gate, up)
 
 
+def draw_in_chunks(key: jax.Array, shape: tuple[int, ...], draw) -> jax.Array:
+    """``draw(key, shape)``, for more than CHUNK_ELEMENTS elements one trailing ``[in, out]`` matrix at a time
+    (``lax.map`` over the leading axes). Drawing a whole stack at once needs 4-16 temporary bytes per element:
+    237 GB for one K3 MXFP4 expert stack, which made the random 896-expert k3-slice run out of memory."""
+    if len(shape) <= 2 or math.prod(shape) <= CHUNK_ELEMENTS:
+        return draw(key, shape)
+    keys = jax.random.split(key, math.prod(shape[:-2]))
+    return jax.lax.map(lambda k: draw(k, shape[-2:]), keys).reshape(shape)
+
+
 def normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
     """A parameter drawn from N(0, std^2)."""
-    return nnx.Param((jax.random.normal(rngs.params(), shape, F32) * std).astype(dtype))
+    return nnx.Param(draw_in_chunks(rngs.params(), shape,
+                                    lambda key, s: (jax.random.normal(key, s, F32) * std).astype(dtype)))
 
 
 def fan_in_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:

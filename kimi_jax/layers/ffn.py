@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, glu, rms_norm, stacked_linear
+from kimi_jax.layers.common import F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, stacked_linear
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
 from pallas_kernels.impl import resolve_impl
@@ -45,7 +45,8 @@ def _random_mxfp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> tuple[n
     """Random codes (all 16 values occur) with one E8M0 scale giving roughly N(0, std^2)-sized weights.
 
     shape is the unpacked ``[..., out, in]``; returns packed ``[..., out, in/2]`` and scales ``[..., out, in/32]``."""
-    packed = jax.random.bits(rngs.params(), (*shape[:-1], shape[-1] // 2), jnp.uint8)  # no int32 temporary
+    packed = draw_in_chunks(rngs.params(), (*shape[:-1], shape[-1] // 2),
+                            lambda key, s: jax.random.bits(key, s, jnp.uint8))
     exponent = 127 + int(np.round(np.log2(std / E2M1_RMS)))
     scales = jnp.full((*shape[:-1], shape[-1] // 32), exponent, jnp.uint8)
     return nnx.Param(packed), nnx.Param(scales)
