@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skinny-rows", type=int, default=0,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (default 0: XLA)")
+    parser.add_argument("--mxfp4-layout", default="checkpoint", choices=("checkpoint", "paired"))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=max_len, max_num_seqs=max(seqs), max_num_batched_tokens=args.prefill_chunk,
             block_size=16, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
             page_buckets=(-(-max_len // 16),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
-            compile_threads=8), impl=args.impl)
+            compile_threads=8, mxfp4_layout=args.mxfp4_layout), impl=args.impl)
 
     runner = make_runner(max_model_len, tuple(args.batches))
     setup = time.perf_counter() - start
