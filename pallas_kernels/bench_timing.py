@@ -33,3 +33,19 @@ def copy_bandwidth() -> float:
         out = f(a)
     jax.block_until_ready(out)
     return 2 * a.nbytes / ((time.perf_counter() - t0) / 10)
+
+
+def kernel_split_us(fn, args, repeats: int = 3) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn(*args)`` launches, from a ``jax.profiler`` trace of
+    ``repeats`` calls (which kernel of a multi-launch op dominates)."""
+    import tempfile
+
+    from serve.engine.trace_summary import kernel_times
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(repeats):
+                jax.block_until_ready(fn(*args))
+        total, _, _ = kernel_times(folder)
+    return {name: us / repeats for name, us in total.most_common(8)}
