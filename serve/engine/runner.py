@@ -349,7 +349,10 @@ class ModelRunner:
         assert words.shape[0] == self._layouts[shape].num_words, shape
         greedy_only = step.decode_only and not any(map(bool, (batch.use_sampling, batch.use_bitmask,
                                                               batch.use_penalties, batch.want_top_logprobs)))
-        inputs = jax.device_put((words, optional), self.replicated)
+        # Only host arrays are transferred: the neutral optional arrays already live on the device, and handing
+        # them to device_put again costs ~0.1-0.2 ms of host time per step (measured on this CPU).
+        optional = tuple(a if isinstance(a, jax.Array) else jax.device_put(a, self.replicated) for a in optional)
+        inputs = (jax.device_put(words, self.replicated), optional)
         key = (*shape, greedy_only)
         self.launch_counts[key] += 1
         self._last_launch = (self._steps[key], (*inputs, self._tokens))
