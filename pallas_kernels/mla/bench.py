@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.bench_timing import kernel_split_us
 from pallas_kernels.mla.attention import mla_paged_attention_pallas
 from pallas_kernels.mla.prefill import mla_prefill_attention_pallas
 from pallas_kernels.mla.reference import (
@@ -278,6 +279,9 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
                 def measure(row, q=q, variant=best[num_heads][0], roof=roof, num_heads=num_heads):
                     sec = time_call(decode_fn(variant), q, pages, tables, ctx, cu)
                     row.update(us=sec * 1e6, cache_TBps=batch * context * 2 * W / sec / 1e12, pct_roof=100 * roof / sec)
+                    if context == CONTEXTS[0] and jax.devices()[0].platform == "gpu":
+                        # 4K contexts took ~200 us whatever the bytes: the kernel, or the ops around it?
+                        row["kernel_us"] = kernel_split_us(decode_fn(variant), (q, pages, tables, ctx, cu))
                     if fp8 is not None:
                         _, _, roof8 = decode_roofline(batch, context, num_heads, ceil, bytes_per_row=W + 4.0)
                         sec8 = time_call(decode_fn(variant), q, fp8[0], tables, ctx, cu, fp8[1])
