@@ -1,7 +1,13 @@
-"""Timing helpers shared by the kernel benchmarks (``pallas_kernels/*/bench.py``; GPU runs, not the library)."""
+"""Timing and profiler-trace helpers shared by the benchmarks (the kernel benches and
+``serve.engine.trace_summary``; GPU runs, not the library)."""
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
+import os
 import time
 
 import jax
@@ -35,12 +41,28 @@ def copy_bandwidth() -> float:
     return 2 * a.nbytes / ((time.perf_counter() - t0) / 10)
 
 
+def kernel_times(folder: str) -> tuple[collections.Counter, collections.Counter, str]:
+    """Summed microseconds and launch counts per event name on the busiest device-side thread group."""
+    path = folder if os.path.isfile(folder) else sorted(
+        glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name.upper()}
+    if not device_pids:  # CPU-only trace: the XLA ops run on host threads
+        device_pids = set(names)
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
+            total[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+    return total, count, path
+
+
 def kernel_split_us(fn, args, repeats: int = 3) -> dict[str, float]:
     """Device microseconds per call of each kernel ``fn(*args)`` launches, from a ``jax.profiler`` trace of
     ``repeats`` calls (which kernel of a multi-launch op dominates)."""
     import tempfile
-
-    from serve.engine.trace_summary import kernel_times
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as folder:

@@ -404,6 +404,12 @@ def wait_warmups(children, deadline_s):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _errors(row) -> str:
+    """The table-line suffix naming a row's failures, if any."""
+    return ((f"  ERROR {row['error'][:100]}" if "error" in row else "")
+            + (f"  FLA ERROR {row['fla_error'][:100]}" if "fla_error" in row else ""))
+
+
 def print_table(ceilings, rows):
     bw, mm = ceilings.get("copy_bytes_per_s", float("nan")), ceilings.get("bf16_matmul_flops", float("nan"))
     nan = float("nan")
@@ -418,8 +424,7 @@ def print_table(ceilings, rows):
               f"{r['tokens'] / ours / 1e6:8.2f}{r['flops'] / ours / 1e12:9.1f}{100 * r['flops'] / ours / mm:5.1f}"
               f"{r['bytes'] / ours / 1e12:6.2f}{100 * r['bytes'] / ours / bw:5.0f}{r['flops'] / fla / 1e12:9.1f}"
               f"{r.get('err_vs_fla_o', nan):9.1e}{r.get('err_vs_ref_o', nan):9.1e}"
-              + (f"  ERROR {r['error'][:100]}" if "error" in r else "")
-              + (f"  FLA ERROR {r['fla_error'][:100]}" if "fla_error" in r else ""))
+              + _errors(r))
     print(f"{'decode':<24}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'Ktok/s':>8}{'TB/s':>8}{'%copy':>7}"
           f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}")
     for r in rows:
@@ -431,8 +436,7 @@ def print_table(ceilings, rows):
               f"{r['state_bytes'] / ours / 1e12:8.2f}{100 * r['state_bytes'] / ours / bw:7.0f}"
               f"{r['state_bytes'] / fla / 1e12:9.2f}{100 * r['state_bytes'] / fla / bw:7.0f}"
               f"{r.get('err_vs_ref_y', nan):9.1e}"
-              + (f"  ERROR {r['error'][:100]}" if "error" in r else "")
-              + (f"  FLA ERROR {r['fla_error'][:100]}" if "fla_error" in r else ""))
+              + _errors(r))
 
 
 def suite_cases(suite, rng):

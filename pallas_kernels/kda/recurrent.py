@@ -23,6 +23,11 @@ from pallas_kernels.kda.reference import gate_from_logits, gated_rms_norm
 L2_EPS = 1e-6
 
 
+def _l2norm(x):
+    """``x / sqrt(sum(x^2) + eps)`` of a ``[K]`` vector (eps inside the sqrt, as the reference)."""
+    return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
+
+
 def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                       state_in_ref, slots_ref, out_slots_ref, gate_ref, norm_w_ref, y_ref, conv_state_ref, state_ref,
                       *, num_heads, group, width, num_tokens, scale, lower_bound, eps, use_barrier, block_v):
@@ -42,14 +47,11 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
         c = sum(taps[j] * rows[t + j] for j in range(width))
         return c * jax.nn.sigmoid(c)
 
-    def l2norm(x):
-        return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
-
     qk_width = num_heads * head_dim
     q_rows, q_taps = conv_inputs(head * head_dim, head_dim)
     k_rows, k_taps = conv_inputs(qk_width + head * head_dim, head_dim)
-    qs = [l2norm(conv_silu(q_rows, q_taps, t)) * scale for t in range(num_tokens)]
-    ks = [l2norm(conv_silu(k_rows, k_taps, t)) for t in range(num_tokens)]
+    qs = [_l2norm(conv_silu(q_rows, q_taps, t)) * scale for t in range(num_tokens)]
+    ks = [_l2norm(conv_silu(k_rows, k_taps, t)) for t in range(num_tokens)]
     conv_writes = [(head * head_dim, q_rows), (qk_width + head * head_dim, k_rows)]
     for i in range(group):
         hv = head * group + i
@@ -149,11 +151,8 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
                   * conv_state_ref[slot, j, pl.ds(offset, size)].astype(jnp.float32))
         return c * jax.nn.sigmoid(c)
 
-    def l2norm(x):
-        return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
-
-    q = l2norm(conv_silu(head * head_dim, head_dim)) * scale
-    k = l2norm(conv_silu(qk_width + head * head_dim, head_dim))
+    q = _l2norm(conv_silu(head * head_dim, head_dim)) * scale
+    k = _l2norm(conv_silu(qk_width + head * head_dim, head_dim))
     v_col = value_head * state_ref.shape[-1] + v_block * block_v
     v = conv_silu(2 * qk_width + v_col, block_v)
     decay_scale = jnp.exp(a_log_ref[value_head].astype(jnp.float32))

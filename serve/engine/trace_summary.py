@@ -6,29 +6,8 @@
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
-import json
-import os
 
-
-def kernel_times(folder: str) -> tuple[collections.Counter, collections.Counter, str]:
-    """Summed microseconds and launch counts per event name on the busiest device-side thread group."""
-    path = folder if os.path.isfile(folder) else sorted(
-        glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name.upper()}
-    if not device_pids:  # CPU-only trace: the XLA ops run on host threads
-        device_pids = set(names)
-    total, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e:
-            total[e["name"]] += e["dur"]
-            count[e["name"]] += 1
-    return total, count, path
+from pallas_kernels.bench_timing import kernel_times
 
 
 def main(argv: list[str] | None = None) -> None:
