@@ -141,6 +141,8 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
     qk_width = (mixed_ref.shape[1] - state_ref.shape[1] * state_ref.shape[-1]) // 2
     head = value_head // group
     slot = slots_ref[seq]
+    cols = pl.ds(pl.multiple_of(v_block * block_v, block_v), block_v)
+    state = state_in_ref[slot, value_head, :, cols]  # [K, block_v]; issued first, in flight during the conv math
 
     def conv_silu(offset, size):
         """Causal conv of the W-1 cached inputs + the new one, then SiLU: fp32 ``[size]``."""
@@ -159,8 +161,7 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
     g = jnp.exp(gate_from_logits(g_ref[seq, pl.ds(value_head * head_dim, head_dim)].astype(jnp.float32)
                                  + dt_bias_ref[value_head, :].astype(jnp.float32), decay_scale, lower_bound))
     beta = jax.nn.sigmoid(beta_ref[seq, value_head].astype(jnp.float32))
-    cols = pl.ds(pl.multiple_of(v_block * block_v, block_v), block_v)
-    state = state_in_ref[slot, value_head, :, cols].astype(jnp.float32) * g[:, None]  # [K, block_v]
+    state = state.astype(jnp.float32) * g[:, None]
     error = v - jnp.sum(state * k[:, None], axis=0)
     state = state + beta * k[:, None] * error[None, :]
     state_ref[slot, value_head, :, cols] = state.astype(state_ref.dtype)
