@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | "
               f"{r['host_serial_ms']:.2f} | {r['host_overlapped_ms']:.2f} | {r['host_overhead']:.1%} | "
               f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} |")
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
         json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows, ttft=ttft,
                        step_temp_bytes={str(k): v for k, v in runner.step_temp_bytes.items()}), f,
