@@ -5,7 +5,7 @@ Two launches (spec 1.7), both reading the packed ``[T, ...]`` inputs in place (n
 1. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
    norm, optional gate, in-chunk cumsum ``G``, then ``A_kk``/``A_qk`` by 16-token sub-chunks (off-diagonal
    blocks factor through the sub-chunk start, so every exponent is <= 0; diagonal blocks either through the
-   sub-chunk midpoint when the lower-bound gate bounds the exponent span, or by nested halves), the unit-lower
+   sub-chunk midpoint when the lower-bound gate bounds the exponent span, or pairwise), the unit-lower
    triangular solve by block forward substitution, and the chunk summaries ``w, u, qg = q*Gamma,
    kg = k*exp(G_C - G), A_qk, exp(G_C)``.
 2. ``_scan_kernel``, grid ``(N, HV, V // BV)``, sequential over the chunks of one sequence: ``U = u - w S``,
@@ -95,70 +95,42 @@ def _select_row(x, r):
     return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0)
 
 
-def _lower_left(b):
-    """``[SUB, SUB]`` mask of the lower-left ``b x b`` block inside each diagonal ``2b x 2b`` block."""
+def _diagonal_block_pairwise(q, k, G):
+    """``(k k^T * D, q k^T * D)`` for one 16-token block, D_rc = exp(G_r - G_c) masked (c <= r) before exp."""
     rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    return (rows // (2 * b) == cols // (2 * b)) & (rows // b > cols // b)
+    col_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+
+    def body(r, carry):
+        a_kk, a_qk = carry
+        decay = jnp.exp(jnp.where(col_index <= r, _select_row(G, r)[None, :] - G, -jnp.inf))  # [SUB(c), K]
+        kd = k * decay
+        kk = jnp.sum(kd * _select_row(k, r)[None, :], axis=1)  # [SUB(c)]
+        qk = jnp.sum(kd * _select_row(q, r)[None, :], axis=1)
+        return jnp.where(rows == r, kk[None, :], a_kk), jnp.where(rows == r, qk[None, :], a_qk)
+
+    zeros = jnp.zeros((SUB, SUB), jnp.float32)
+    return lax.fori_loop(0, SUB, body, (zeros, zeros))
 
 
-def _diagonal_block_nested(q, k, g, G, offset, dtype):
-    """``(k k^T * D, q k^T * D)`` of one 16-token block for any gate, D_rc = exp(G_r - G_c) (c <= r; the
-    strictly lower part of ``k k^T * D``), without a per-row loop.
-
-    The block splits into halves, quarters, ... down to single tokens. Each lower-left ``b x b`` block factors
-    through G at the end of its column block, so both factors are decays <= 1 (no overflow for unbounded
-    gates): ``q_r exp(G_r - G_a) . k_c exp(G_a - G_c)``. The anchors G_a are prefix sums of ``g`` (0/1 dots).
-    The diagonal is ``q_r . k_r``."""
-    rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    a_kk = jnp.zeros((SUB, SUB), jnp.float32)
-    a_qk = jnp.where(rows == cols, jnp.sum(q * k, axis=1)[:, None], 0.0)
-    b = SUB // 2
-    while b >= 1:
-        row_anchor = _prefix_sums(g, offset, lambda r: (r // b) * b - 1)  # G at the end of the previous b-block
-        col_anchor = _prefix_sums(g, offset, lambda r: (r // b) * b + b - 1)  # G at the end of its own b-block
-        row_decay, k_out = jnp.exp(G - row_anchor), k * jnp.exp(col_anchor - G)
-        mask = _lower_left(b)
-        a_kk += jnp.where(mask, _dot(k * row_decay, k_out, dtype, trans_b=True), 0.0)
-        a_qk += jnp.where(mask, _dot(q * row_decay, k_out, dtype, trans_b=True), 0.0)
-        b //= 2
-    return a_kk, a_qk
-
-
-def _diagonal_block_midpoint(q, k, G, mid, dtype):
-    """Same as the nested form through the block midpoint ``mid`` (G of row SUB // 2, broadcast over rows):
-    exponents bounded by 8 |g| (lower-bound gate)."""
+def _diagonal_block_midpoint(q, k, G, dtype):
+    """Same as the pairwise form through the block midpoint: exponents bounded by 8 |g| (lower-bound gate)."""
+    mid = _select_row(G, SUB // 2)[None, :]
     k_out = k * jnp.exp(mid - G)
     return _dot(k * jnp.exp(G - mid), k_out, dtype, trans_b=True), _dot(q * jnp.exp(G - mid), k_out, dtype,
                                                                         trans_b=True)
 
 
 def _unit_lower_inverse(a):
-    """``(I + a)^-1`` for strictly lower ``a [SUB, SUB]`` (fp32), loop-free: a blocked triangular inverse.
-
-    With ``T_b`` the block-diagonal inverse over ``b``-blocks, the inverse over ``2b``-blocks is
-    ``T_b - T_b a_b T_b`` where ``a_b`` keeps only the lower-left ``b x b`` block of each ``2b`` block (the
-    2 x 2 block-inverse formula applied to every diagonal block at once). Six fp32 ``16 x 16`` dots instead of
-    16 dependent row steps whose row selections are cross-warp reductions."""
+    """``(I + a)^-1`` for strictly lower ``a [SUB, SUB]`` by forward substitution (fp32)."""
     rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    t = jnp.where(rows == cols, 1.0, 0.0) - jnp.where(_lower_left(1), a, 0.0)
-    b = 2
-    while b < SUB:
-        t = t - _dot(_dot(t, jnp.where(_lower_left(b), a, 0.0), jnp.float32), t, jnp.float32)
-        b *= 2
-    return t
+    col_vec = lax.broadcasted_iota(jnp.int32, (SUB,), 0)
 
+    def body(r, t):
+        a_r = jnp.sum(jnp.where(rows == r, a, 0.0), axis=0)  # row r of a, indexed by c
+        t_r = jnp.where(col_vec == r, 1.0, 0.0) - jnp.sum(a_r[:, None] * t, axis=0)
+        return jnp.where(rows == r, t_r[None, :], t)
 
-def _prefix_sums(x, offset, upto):
-    """``offset + sum_{c <= upto(r)} x[c]`` for each row ``r`` of ``x [SUB, width]``: one exact fp32 dot with
-    a 0/1 matrix. ``offset [SUB, width]``; ``upto`` maps the row-index iota to the last summed row. A column
-    scan or a row selection would be a cross-warp pass in Triton; the dot keeps every tile ``[SUB, width]``
-    (a selected row is carried broadcast over all rows)."""
-    rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    summed = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1) <= upto(rows)
-    return offset + _dot(jnp.where(summed, 1.0, 0.0), x, jnp.float32)
+    return lax.fori_loop(0, SUB, body, jnp.zeros((SUB, SUB), jnp.float32))
 
 
 def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
@@ -172,7 +144,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
 
     @pl.when(num_valid > 0)
     def _():
-        offset = jnp.zeros((SUB, k_ref.shape[-1]), jnp.float32)  # G at the end of the previous sub-chunk, per row
+        offset = jnp.zeros((k_ref.shape[-1],), jnp.float32)  # G at the end of the previous sub-chunk
         keys, logs, solved = [], [], []
         for i in range(NUM_SUB):
             start, valid = bos + i * SUB, num_valid - i * SUB
@@ -181,20 +153,19 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             v = _load_rows(v_ref, start, hv, valid, SUB)
             beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
                                  other=0).astype(jnp.float32)[:, None]
-            g = _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts)
-            G = _prefix_sums(g, offset, lambda r: r)
+            G = offset[None, :] + jnp.cumsum(
+                _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
             if opts.midpoint_diagonal:
-                mid = _prefix_sums(g, offset, lambda r: jnp.full_like(r, SUB // 2))
-                a_kk, a_qk = _diagonal_block_midpoint(q, k, G, mid, dtype)
+                a_kk, a_qk = _diagonal_block_midpoint(q, k, G, dtype)
             else:
-                a_kk, a_qk = _diagonal_block_nested(q, k, g, G, offset, dtype)
+                a_kk, a_qk = _diagonal_block_pairwise(q, k, G)
             a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
             aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0)
             rhs_u, rhs_w = beta * v, beta * jnp.exp(G) * k
-            q_in, k_in = q * jnp.exp(G - offset), k * jnp.exp(G - offset)
+            q_in, k_in = q * jnp.exp(G - offset[None, :]), k * jnp.exp(G - offset[None, :])
             for j in range(NUM_SUB):
                 if j < i:  # rows in sub-chunk i, columns in sub-chunk j < i, through G at the end of sub-chunk i-1
-                    k_out = keys[j] * jnp.exp(offset - logs[j])
+                    k_out = keys[j] * jnp.exp(offset[None, :] - logs[j])
                     a_ij = beta * _dot(k_in, k_out, dtype, trans_b=True)
                     aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _dot(q_in, k_out, dtype, trans_b=True)
                     rhs_u = rhs_u - _dot(a_ij, solved[j][0], dtype)
@@ -209,10 +180,10 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             keys.append(k)
             logs.append(G)
             solved.append((u, w))
-            offset = _prefix_sums(g, offset, lambda r: jnp.full_like(r, SUB - 1))
+            offset = _select_row(G, SUB - 1)
         for i in range(NUM_SUB):
-            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * jnp.exp(offset - logs[i])).astype(kg_ref.dtype)
-        decay_ref[...] = jnp.exp(_select_row(offset, 0))
+            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * jnp.exp(offset[None, :] - logs[i])).astype(kg_ref.dtype)
+        decay_ref[...] = jnp.exp(offset)
 
 
 def _scan_kernel(seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref, seq_len_ref, positions_ref, w_ref, u_ref, qg_ref,
