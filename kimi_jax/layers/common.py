@@ -12,7 +12,7 @@ from pallas_kernels.impl import resolve_impl
 
 F32 = jnp.float32
 CHUNK_ELEMENTS = 1 << 26  # random parameters larger than this are drawn one trailing matrix at a time
-SKINNY_MAX_ROWS = 0
+SKINNY_MAX_ROWS = 8
 """Row counts up to which :func:`stacked_linear` runs the Pallas grouped GEMM on the whole stack under
 ``impl="pallas"`` (0: never, XLA everywhere). Decode-sized; chosen by measurement (``bench_decode
 --skinny-rows``, BENCHMARKS.md)."""

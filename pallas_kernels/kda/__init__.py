@@ -19,7 +19,7 @@ __all__ = ["chunk_kda", "chunk_kda_reference", "fused_recurrent_kda", "fused_rec
            "fused_recurrent_kda_verify", "gated_rms_norm", "kda_gate", "l2_normalize", "naive_recurrent_kda"]
 
 MAX_VERIFY_TOKENS = 8
-DECODE_SPLIT_V: int | None = None
+DECODE_SPLIT_V: int | None = 64
 """``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` (None: the single-program fused
 kernel). Chosen by the H200 decode sweep of ``kda/bench.py`` (BENCHMARKS.md); ``bench_decode --kda-split-v``
 sets it for an engine run."""

@@ -170,7 +170,7 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
 
 def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
                                        slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                                       eps: float = 1e-5, block_v: int = 32, num_warps: int = 1):
+                                       eps: float = 1e-5, block_v: int = 64, num_warps: int = 2):
     """Decode step (one token per sequence) with the state split over programs along V.
 
     Same arguments and results as :func:`pallas_kernels.kda.fused_recurrent_kda` (mixed_qkv ``[N, C]``, g_raw
