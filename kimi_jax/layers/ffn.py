@@ -21,7 +21,6 @@ from kimi_jax.layers.common import F32, constant, draw_in_chunks, fan_in_normal,
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
 from pallas_kernels.impl import resolve_impl
-from pallas_kernels.mxfp4.kernel import pair_mxfp4_blocks, unpair_mxfp4_blocks
 
 E2M1_RMS = 2.93  # RMS of a uniformly random E2M1 code's value, for random MXFP4 init
 
@@ -73,7 +72,6 @@ class MoEStack(nnx.Module):
             if cfg.latent_norm:
                 self.latent_norm = constant((n, din), 1.0)
         if cfg.experts_mxfp4:
-            self.mxfp4_layout = "checkpoint"  # or "paired" after pair_mxfp4_experts (static: part of the graphdef)
             self.w1_packed, self.w1_scale = _random_mxfp4(rngs, (n, e, f, din), din ** -0.5)
             self.w3_packed, self.w3_scale = _random_mxfp4(rngs, (n, e, f, din), din ** -0.5)
             self.w2_packed, self.w2_scale = _random_mxfp4(rngs, (n, e, din, f), f ** -0.5)
@@ -86,20 +84,6 @@ class MoEStack(nnx.Module):
             self.shared_gate = fan_in_normal(rngs, (n, d, fs), dtype)
             self.shared_up = fan_in_normal(rngs, (n, d, fs), dtype)
             self.shared_down = fan_in_normal(rngs, (n, fs, d), dtype)
-
-
-def pair_mxfp4_experts(p: MoEStack) -> None:
-    """Re-lay the packed MXFP4 experts out, in place, in the grouped kernel's paired layout
-    (``pallas_kernels.mxfp4.kernel.pair_mxfp4_blocks``), one ``[out, in/2]`` matrix at a time so that the
-    temporaries stay small. Scales are unchanged. The reference path un-pairs per use."""
-    if p.mxfp4_layout == "paired":
-        return
-    for name in ("w1", "w3", "w2"):
-        param = getattr(p, f"{name}_packed")
-        packed = param[...]
-        matrices = packed.reshape((-1,) + packed.shape[-2:])
-        param.set_value(jax.lax.map(pair_mxfp4_blocks, matrices).reshape(packed.shape))
-    p.mxfp4_layout = "paired"
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -130,11 +114,10 @@ def _expert_matmul(p: MoEStack, name: str, j: int, xs: jax.Array, sizes: jax.Arr
     if resolve_impl(impl) == "pallas":
         if packed is not None:
             return gemm_ops.mxfp4_grouped_matmul(xs, packed, getattr(p, f"{name}_scale"), sizes, layer=j,
-                                                 layout=p.mxfp4_layout, impl="pallas").astype(F32)
+                                                 impl="pallas").astype(F32)
         return gemm_ops.grouped_matmul(xs, getattr(p, name), sizes, layer=j, impl="pallas").astype(F32)
     if packed is not None:
-        layer = unpair_mxfp4_blocks(packed[j]) if p.mxfp4_layout == "paired" else packed[j]
-        w = jnp.swapaxes(mxfp4.dequantize(layer, getattr(p, f"{name}_scale")[j], dtype=xs.dtype), -1, -2)
+        w = jnp.swapaxes(mxfp4.dequantize(packed[j], getattr(p, f"{name}_scale")[j], dtype=xs.dtype), -1, -2)
     else:
         w = getattr(p, name)[j]
     return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.bench_timing import copy_bandwidth, timed
-from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas, pair_mxfp4_blocks
+from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
 from pallas_kernels.mxfp4.ops import tile_config
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
 
@@ -62,18 +62,6 @@ SWEEPS = {
     ("down", "mxfp4"): (),
     ("down", "bf16"): (),
 }
-# The paired layout (pallas_kernels.mxfp4.kernel.pair_mxfp4_blocks: two whole MX blocks per byte, decoded with
-# nibble masks and no interleave), block_k a multiple of 64.
-PAIRED_CFGS = {
-    "p_m16n64k64w4s4L": dict(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=4, weights_lhs=True),
-    "p_m16n64k128w4s4L": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True),
-    "p_m16n128k128w4s3L": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, weights_lhs=True),
-    "p_m16n64k128w4s4": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    "p_m64n128k64w4s3": dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
-    "p_m128n256k64w8s3": dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3),
-}
-PAIRED_SWEEPS = {"decode": ("p_m16n64k64w4s4L", "p_m16n64k128w4s4L", "p_m16n128k128w4s3L", "p_m16n64k128w4s4"),
-                 "prefill": ("p_m64n128k64w4s3", "p_m128n256k64w8s3"), "down": ("p_m16n64k128w4s4L",)}
 DECODE_CFGS = {name: ALL_CFGS[name] for name in SWEEPS[("decode", "mxfp4")][:3]}  # dense probe
 CHECKED_CFGS = {name: ALL_CFGS[name] for names in SWEEPS.values() for name in names}
 
@@ -126,10 +114,6 @@ def check_correctness(rng):
                                        want)
         results[f"bf16/{name}"] = rel(grouped_gemm_pallas(x[77:], (w16,), gs.at[:2].set(0), weight_format="bf16",
                                                           **cfg), want16)
-    paired = pair_mxfp4_blocks(packed)
-    for name, cfg in PAIRED_CFGS.items():
-        results[f"mxfp4_paired/{name}"] = rel(grouped_gemm_pallas(x, (paired, scales), gs,
-                                                                  weight_format="mxfp4_paired", **cfg), want)
     for name, fn in mgpu_variants().items():
         try:
             results[f"bf16/{name}"] = rel(fn(x[77:], w16, gs.at[:2].set(0)), want16)
@@ -187,16 +171,7 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
                 x, (p, s), g, weight_format="mxfp4", **cfg), (xs, packed, scales, gs))
         except Exception as err:  # noqa: BLE001
             case["mxfp4"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
-    paired = pair_mxfp4_blocks(packed)
-    for name in PAIRED_SWEEPS[regime]:
-        if past_deadline(name):
-            continue
-        try:
-            case["mxfp4"][name] = timed(lambda x, p, s, g, cfg=PAIRED_CFGS[name]: grouped_gemm_pallas(
-                x, (p, s), g, weight_format="mxfp4_paired", **cfg), (xs, paired, scales, gs))
-        except Exception as err:  # noqa: BLE001
-            case["mxfp4"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
-    del packed, scales, paired
+    del packed, scales
     w16 = random_bf16(rng, (experts, k, n))
     bf16_variants = {f"pallas_{name}": (lambda x, w, g, cfg=cfg: grouped_gemm_pallas(
         x, (w,), g, weight_format="bf16", **cfg)) for name, cfg in with_default(

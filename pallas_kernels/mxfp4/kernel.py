@@ -49,25 +49,6 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
     return _e2m1_to_bf16(codes) * s.reshape(bn, 2 * half)
 
 
-def pair_mxfp4_blocks(packed: jax.Array) -> jax.Array:
-    """Checkpoint-layout packed codes ``[..., N, K/2]`` (low nibble = even column) -> the "mxfp4_paired" layout:
-    byte ``32 b + i`` holds column ``64 b + i`` in its low nibble and ``64 b + 32 + i`` in its high nibble, so
-    one load decodes into two whole MX blocks with nibble masks and no interleaving (``K % 64 == 0``)."""
-    *lead, n, half = packed.shape
-    if half % 32:
-        raise ValueError(f"K={2 * half} must be a multiple of 64 for the paired MXFP4 layout")
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*lead, n, half // 32, 2, 32)
-    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*lead, n, half).astype(jnp.uint8)
-
-
-def unpair_mxfp4_blocks(paired: jax.Array) -> jax.Array:
-    """Inverse of :func:`pair_mxfp4_blocks`."""
-    *lead, n, half = paired.shape
-    blocks = paired.reshape(*lead, n, half // 32, 32)
-    codes = jnp.stack([blocks & 0xF, blocks >> 4], axis=-2).reshape(*lead, n, 2 * half)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
-
-
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
                     weights_lhs, split_k):
     *w_refs, o_ref = refs
@@ -94,27 +75,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                                   block_k // MX_BLOCK)]
         return _decode_mxfp4_tile(packed, scales)
 
-    def paired_body(k, acc):
-        """One K step of ``block_k = 64 u`` columns in the paired layout: per 64-column pair, one ``[bn, 32]``
-        byte load gives two MX blocks (low / high nibbles), each scaled by one ``[bn]`` scale column."""
-        packed_ref, scales_ref = w_refs
-        for c in range(block_k // 64):
-            pair = k * (block_k // 64) + c
-            p = packed_ref[expert, cols, pl.ds(pl.multiple_of(pair * 32, 32), 32)].astype(jnp.uint16)
-            for half, codes in enumerate((p & 0xF, p >> 4)):
-                block = 2 * pair + half
-                w = _e2m1_to_bf16(codes) * _e8m0_to_bf16(scales_ref[expert, cols, block])[:, None]
-                x = pltriton.load(x_ref.at[rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
-                                  mask=row_mask[:, None], other=0.0)
-                if weights_lhs:
-                    acc = acc + jnp.dot(w, x.T, preferred_element_type=jnp.float32)
-                else:
-                    acc = acc + jnp.dot(x, w.T, preferred_element_type=jnp.float32)
-        return acc
-
     def body(k, acc):
-        if weight_format == "mxfp4_paired":
-            return paired_body(k, acc)
         x = pltriton.load(x_ref.at[rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
                           mask=row_mask[:, None], other=0.0)
         if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
@@ -145,7 +106,7 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     experts of every layer can be passed as one ``[L*E, ...]`` bitcast of the stacked parameter, since a slice
     ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every
     layer shares one compiled kernel; the caller keeps ``expert_offset + E <= E'``) -> ``[M, N]`` in
-    ``x.dtype`` (fp32 accumulation; ``"mxfp4_paired"`` takes ``packed`` in :func:`pair_mxfp4_blocks` layout;
+    ``x.dtype`` (fp32 accumulation;
     rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
     dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation). ``split_k``
     (dividing ``K / block_k``) cuts every tile's K loop across that many programs, which write fp32 partial sums
@@ -154,12 +115,10 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     num_experts = group_sizes.shape[0]
     if weight_format == "bf16":
         dim_n = weights[0].shape[2]
-    elif weight_format in ("bf16_nk", "mxfp4", "mxfp4_paired"):
+    elif weight_format in ("bf16_nk", "mxfp4"):
         dim_n = weights[0].shape[1]
     else:
         raise ValueError(f"unknown weight_format {weight_format!r}")
-    if weight_format == "mxfp4_paired" and block_k % 64:
-        raise ValueError(f"the paired MXFP4 layout needs block_k a multiple of 64, got {block_k}")
     if dim_k % block_k or dim_n % block_n or (weight_format == "mxfp4" and block_k % MX_BLOCK):
         raise ValueError(f"K={dim_k} / N={dim_n} must be multiples of block_k={block_k} / block_n={block_n}")
     if split_k < 1 or (dim_k // block_k) % split_k:

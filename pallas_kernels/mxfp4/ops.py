@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from kimi_jax.quant.mxfp4 import dequantize
 from pallas_kernels.impl import resolve_impl
-from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas, unpair_mxfp4_blocks
+from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
 from pallas_kernels.mxfp4.reference import (grouped_matmul_reference, mxfp4_grouped_matmul_reference,
                                             mxfp4_matmul_reference)
 
@@ -26,7 +26,7 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     """Kernel tiles for a problem size (static shapes): the fastest configs of the H200 sweep in bench.py,
     shrunk to powers of two that divide ``N`` and ``K``."""
     rows_per_expert = num_rows / num_experts
-    if rows_per_expert <= 16 and weight_format in ("mxfp4", "mxfp4_paired"):  # decode: one row tile per expert
+    if rows_per_expert <= 16 and weight_format == "mxfp4":  # decode: one row tile per expert
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
     elif rows_per_expert <= 16:
         cfg = dict(block_m=16, block_n=128, block_k=256, num_warps=4, num_stages=4)
@@ -35,8 +35,6 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     cfg = {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
-    if weight_format == "mxfp4_paired":  # whole 64-column pairs per K step
-        cfg["block_k"] = max(cfg["block_k"], 64)
     # Too few (expert, column-tile) programs to fill the GPU: split K over the smallest divisor of the K steps
     # that reaches SPLIT_K_BELOW_PROGRAMS programs (or over every step). H200, 2026-11-30 (BENCHMARKS.md): one
     # expert of N=6144 (96 programs) ran 1.29x (MXFP4) / 1.45x (bf16) faster split in 2, about the same in 4;
@@ -62,26 +60,20 @@ def _flatten_layers(layer: int | None, *weights: jax.Array) -> tuple[tuple[jax.A
 
 
 def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, group_sizes: jax.Array, *,
-                         layer: int | None = None, layout: str = "checkpoint", impl: str | None = None) -> jax.Array:
+                         layer: int | None = None, impl: str | None = None) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert, ``packed [E, N, K/2]`` uint8, ``scales [E, N, K/32]`` uint8
     (compressed-tensors layout), ``group_sizes [E]`` int32 -> ``x @ W_e.T`` ``[M, N]`` in ``x.dtype``.
     With ``layer`` (a Python int), packed / scales are stacked ``[L, E, ...]`` and layer ``layer`` is used.
-    ``layout="paired"``: ``packed`` is in :func:`~pallas_kernels.mxfp4.kernel.pair_mxfp4_blocks` layout.
 
     fp32 accumulation; rows at or past ``sum(group_sizes)`` (which must be ``<= M``) are zero.
     """
-    if layout not in ("checkpoint", "paired"):
-        raise ValueError(f"layout must be 'checkpoint' or 'paired', got {layout!r}")
     if resolve_impl(impl) == "reference":
         if layer is not None:
             packed, scales = packed[layer], scales[layer]
-        if layout == "paired":
-            packed = unpair_mxfp4_blocks(packed)
         return mxfp4_grouped_matmul_reference(x, packed, scales, group_sizes)
     (packed, scales), offset = _flatten_layers(layer, packed, scales)
-    weight_format = "mxfp4_paired" if layout == "paired" else "mxfp4"
-    cfg = tile_config(x.shape[0], group_sizes.shape[0], packed.shape[1], x.shape[1], weight_format)
-    return grouped_gemm_pallas(x, (packed, scales), group_sizes, offset, weight_format=weight_format, **cfg)
+    cfg = tile_config(x.shape[0], group_sizes.shape[0], packed.shape[1], x.shape[1], "mxfp4")
+    return grouped_gemm_pallas(x, (packed, scales), group_sizes, offset, weight_format="mxfp4", **cfg)
 
 
 def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: str | None = None) -> jax.Array:

@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
     parser.add_argument("--experts", type=int, default=0,
                         help="routed experts held (0: the preset's); e.g. 112 = K3's per-device share under EP8")
-    parser.add_argument("--kda-split-v", type=int, default=None,
-                        help="KDA decode: split each state over programs of this many V columns (default: fused)")
-    parser.add_argument("--skinny-rows", type=int, default=0,
+    parser.add_argument("--kda-split-v", type=int, default=-1,
+                        help="KDA decode: split each state over programs of this many V columns (0: one fused "
+                             "program per head; default: pallas_kernels.kda.DECODE_SPLIT_V)")
+    parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
-                             "on the layer stack (default 0: XLA)")
-    parser.add_argument("--mxfp4-layout", default="checkpoint", choices=("checkpoint", "paired"))
+                             "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from kimi_jax.layers import common
 
-    kda_ops.DECODE_SPLIT_V = args.kda_split_v
-    common.SKINNY_MAX_ROWS = args.skinny_rows
+    if args.kda_split_v >= 0:
+        kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
+    if args.skinny_rows >= 0:
+        common.SKINNY_MAX_ROWS = args.skinny_rows
     start = time.perf_counter()
     full = get_preset(args.preset)
     n = args.layers
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=max_len, max_num_seqs=max(seqs), max_num_batched_tokens=args.prefill_chunk,
             block_size=16, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
             page_buckets=(-(-max_len // 16),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
-            compile_threads=8, mxfp4_layout=args.mxfp4_layout), impl=args.impl)
+            compile_threads=8), impl=args.impl)
 
     runner = make_runner(max_model_len, tuple(args.batches))
     setup = time.perf_counter() - start

@@ -40,8 +40,6 @@ class EngineConfig:
     seed                       draws the seeds of requests that do not set one
     async_scheduling           schedule and launch step n+1 while step n runs when every running request is
                                decoding (tokens fed from the device; ``Scheduler.schedule_ahead``)
-    mxfp4_layout               "checkpoint" or "paired": byte layout of MXFP4 experts for the grouped kernel
-                               (the runner re-lays the model's experts out in place for "paired")
     test_mode                  fill freed pages and slots with NaN so that a stale read shows up
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
     """
@@ -65,7 +63,6 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS
     seed: int = 0
     async_scheduling: bool = True
-    mxfp4_layout: str = "checkpoint"
     test_mode: bool = False
     compile_threads: int | None = None
 
@@ -131,8 +128,6 @@ class EngineConfig:
         _require(0 <= self.max_logprobs <= MAX_LOGPROBS, "max_logprobs",
                  f"must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         _require(self.compile_threads >= 0, "compile_threads", f"must be >= 0, got {self.compile_threads}")
-        _require(self.mxfp4_layout in ("checkpoint", "paired"), "mxfp4_layout",
-                 f"must be 'checkpoint' or 'paired', got {self.mxfp4_layout!r}")
 
 
 def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype) -> str:

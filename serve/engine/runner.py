@@ -41,7 +41,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax.api import KimiLM
-from kimi_jax.layers.ffn import pair_mxfp4_experts
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.impl import resolve_impl
@@ -201,8 +200,6 @@ class ModelRunner:
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        if self.config.mxfp4_layout == "paired" and model.config.experts_mxfp4:
-            pair_mxfp4_experts(model.moe)  # in place, before the graphdef is taken
         specs = param_specs(model, MeshShape.of(self.mesh))
         graphdef, state = nnx.split(model)
         paths_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)

@@ -15,8 +15,7 @@ import pytest
 from kimi_jax.quant.mxfp4 import E2M1_VALUES
 from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_reference, mxfp4_grouped_matmul,
                                   mxfp4_grouped_matmul_reference, mxfp4_matmul, mxfp4_matmul_reference)
-from pallas_kernels.mxfp4.kernel import (_e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_pallas, pair_mxfp4_blocks,
-                                         unpair_mxfp4_blocks)
+from pallas_kernels.mxfp4.kernel import _e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_pallas
 from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
@@ -179,32 +178,3 @@ def test_tile_config_splits_k_only_when_few_programs_would_run():
     assert "split_k" not in tile_config(8192, 56, 6144, 3584, "mxfp4")
 
 
-def test_paired_layout_round_trips_and_pairs_whole_mx_blocks():
-    rng = np.random.default_rng(4)
-    packed = jnp.asarray(rng.integers(0, 256, (2, 3, 5, 64), dtype=np.uint8))  # K = 128: two 64-column pairs
-    paired = pair_mxfp4_blocks(packed)
-    np.testing.assert_array_equal(unpair_mxfp4_blocks(paired), packed)
-    codes = np.stack([np.asarray(packed) & 0xF, np.asarray(packed) >> 4], -1).reshape(2, 3, 5, 128)
-    p = np.asarray(paired)
-    np.testing.assert_array_equal(p[..., 32:64] & 0xF, codes[..., 64:96])  # pair 1, low nibble: columns 64-95
-    np.testing.assert_array_equal(p[..., 32:64] >> 4, codes[..., 96:128])
-    with pytest.raises(ValueError, match="multiple of 64"):
-        pair_mxfp4_blocks(packed[..., :48])
-
-
-@pytest.mark.parametrize("weights_lhs,split_k,extreme", [(True, 1, True), (False, 2, False)])
-def test_mxfp4_paired_layout_matches_reference(weights_lhs, split_k, extreme):
-    """The paired-layout kernel (two whole MX blocks per byte load) computes the same product as the reference
-    on the checkpoint layout: every code, empty groups, tail rows, extreme scales, both MMA orientations."""
-    group_sizes = [20, 0, 17] if extreme else [5, 0, 30]
-    x, packed, scales, gs = random_problem(31, group_sizes, NUM_ROWS, k=128)
-    if extreme:
-        scales = scales.at[0].set(2 + scales[0] % 3).at[2].set(248 + scales[2] % 5)
-        row_scale = jnp.where(jnp.arange(NUM_ROWS) < 20, 2.0 ** 100, 2.0 ** -110)
-        x = (x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)
-    tiles = dict(SMALL_TILES, block_k=64, weights_lhs=weights_lhs, split_k=split_k)
-    got = grouped_gemm_pallas(x, (pair_mxfp4_blocks(packed), scales), gs, weight_format="mxfp4_paired", **tiles)
-    assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
-    assert not np.asarray(got[sum(group_sizes):], np.float32).any()
-    with pytest.raises(ValueError, match="block_k a multiple of 64"):
-        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_paired", **SMALL_TILES)

@@ -128,8 +128,7 @@ def test_engine_config_defaults_and_validation():
     assert gpu.buckets.pages == (16, 64, 256) and gpu.num_checkpoint_slots == 64
     for bad, field in [(dict(kv_cache_dtype="fp16"), "kv_cache_dtype"), (dict(max_model_len=65), "max_model_len"),
                        (dict(max_num_batched_tokens=100, token_buckets=(16, 64)), "bucket"),
-                       (dict(max_num_seqs=32, max_num_batched_tokens=16), "max_num_batched_tokens"),
-                       (dict(mxfp4_layout="nibbles"), "mxfp4_layout")]:
+                       (dict(max_num_seqs=32, max_num_batched_tokens=16), "max_num_batched_tokens")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**bad).resolve(SMALL, gpu=False)
 
@@ -378,18 +377,3 @@ def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoi
     assert run(fresh)["turn"].outputs[0].token_ids == results[True]["turn"]
 
 
-def test_paired_mxfp4_layout_is_applied_to_the_model_before_placement():
-    """EngineConfig(mxfp4_layout="paired") re-lays the model's MXFP4 experts out before the parameters are placed
-    (the placed arrays hold the paired bytes; the graphdef records the layout the MoE layer dispatches on)."""
-    from kimi_jax.layers.ffn import pair_mxfp4_experts
-
-    cfg = SMALL.replace(latent_dim=64, moe_intermediate_size=64, experts_mxfp4=True)
-    model = KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    original = np.asarray(model.moe.w1_packed[...])
-    runner = ModelRunner(model, EngineConfig(mxfp4_layout="paired"), warm_up=False)
-    assert model.moe.mxfp4_layout == "paired"
-    placed = dict(zip(runner.param_names, runner.params))["moe.w1_packed"]
-    twin = KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(np.asarray(twin.moe.w1_packed[...]), original)
-    pair_mxfp4_experts(twin.moe)
-    np.testing.assert_array_equal(np.asarray(placed), np.asarray(twin.moe.w1_packed[...]))
