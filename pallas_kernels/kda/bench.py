@@ -256,7 +256,7 @@ REST_ORDER = tuple(a for a in ARG_ORDER if a not in ("conv_state", "state"))
 
 DECODE_BLOCK_V = (32, 64)
 """Extra V-slice widths of our decode kernel timed next to the default (whole V per program)."""
-DECODE_SPLIT_V = (8, 16, 32)
+DECODE_SPLIT_V = (16, 32, 64)
 """Slice widths of the split-V decode kernel (one program per [K, split_v] slice; conv shift + norm in XLA)."""
 
 

@@ -170,7 +170,8 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
 
 def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
                                        slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                                       eps: float = 1e-5, block_v: int = 64, num_warps: int = 2):
+                                       eps: float = 1e-5, block_v: int = 64,
+                                       num_warps: int | None = None):
     """Decode step (one token per sequence) with the state split over programs along V.
 
     Same arguments and results as :func:`pallas_kernels.kda.fused_recurrent_kda` (mixed_qkv ``[N, C]``, g_raw
@@ -179,10 +180,13 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     V columns are independent) with few warps, like flash-linear-attention's decode kernel, instead of one
     program holding the whole ``[K, V]`` state. Every program recomputes its head's q/k conv (K values), so no
     program may overwrite the conv state that others still read: the kernel only reads the conv pool, and
-    the shift of the conv state and the gated RMSNorm (which needs all of V) are done by XLA around it."""
+    the shift of the conv state and the gated RMSNorm (which needs all of V) are done by XLA around it.
+    ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweep's best: 1 below 64 columns, 2 from 64
+    (BENCHMARKS.md, session 4)."""
     num_seqs, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
+    block_v = min(block_v, value_dim)
     if value_dim % block_v:
         raise ValueError(f"block_v={block_v} must divide V={value_dim}")
     kernel = functools.partial(
@@ -196,7 +200,7 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
         kernel, out_shape=out_shape, grid=(num_seqs, num_value_heads, value_dim // block_v),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={7: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (2 if block_v >= 64 else 1), num_stages=1),
         interpret=interpret_mode(), name="kda_decode_split_v",
     )(*inputs)
     shape = (num_seqs, num_value_heads, value_dim)
