@@ -35,10 +35,16 @@ class DenseMLPStack(nnx.Module):
         self.down = fan_in_normal(rngs, (n, f, d), dtype)
 
 
+def _glu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, j: int, cfg: ModelConfig,
+             impl: str | None) -> jax.Array:
+    """Layer ``j`` of stacked GLU weights (gate, up ``[L, D, F]``, down ``[L, F, D]``): x [T, D] -> [T, D]."""
+    proj = functools.partial(stacked_linear, j=j, impl=impl)
+    return proj(glu(proj(x, gate), proj(x, up), cfg), down)
+
+
 def dense_mlp(p: DenseMLPStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
     """Dense GLU MLP layer ``j``: x [T, D] -> [T, D]."""
-    proj = functools.partial(stacked_linear, j=j, impl=impl)
-    return proj(glu(proj(x, p.gate), proj(x, p.up), cfg), p.down)
+    return _glu_mlp(x, p.gate, p.up, p.down, j, cfg, impl)
 
 
 def _random_mxfp4(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> tuple[nnx.Param, nnx.Param]:
@@ -150,6 +156,5 @@ def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None
             y = rms_norm(y, p.latent_norm[j], cfg.rms_norm_eps)
         y = stacked_linear(y, p.latent_up, j, impl=impl)
     if cfg.num_shared_experts:
-        proj = functools.partial(stacked_linear, j=j, impl=impl)
-        y = y + proj(glu(proj(x, p.shared_gate), proj(x, p.shared_up), cfg), p.shared_down)
+        y = y + _glu_mlp(x, p.shared_gate, p.shared_up, p.shared_down, j, cfg, impl)
     return y

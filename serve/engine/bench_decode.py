@@ -97,16 +97,14 @@ def main(argv: list[str] | None = None) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
+    from kimi_jax.layers import common
     from kimi_jax.model import KimiModel
     from kimi_jax.presets import get_preset
+    from pallas_kernels import kda as kda_ops
     from serve.engine.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.runner import ModelRunner
     from serve.engine.sampling_params import SamplingParams
-
-    from pallas_kernels import kda as kda_ops
-
-    from kimi_jax.layers import common
 
     if args.kda_split_v >= 0:
         kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
