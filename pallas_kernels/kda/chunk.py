@@ -264,8 +264,13 @@ def _full(shape):
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                     block_v: int = 32, num_warps: int = 4, num_stages: int = 2):
+                     block_v: int = 32, intra_warps: int | None = None, scan_warps: int = 4,
+                     num_stages: int = 2):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
+
+    ``intra_warps`` defaults to the H200 sweep's best (BENCHMARKS.md, session 4, H32 T8K): 8 with the midpoint
+    diagonal of the lower-bound gate (intra 1309 us against 1892 us with 4), 4 with the pairwise diagonal
+    (3122 us against 3831 us with 8). The scan is fastest with 4 (314 us against 404 us with 8).
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
     | None)``.
@@ -291,7 +296,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     dt_bias = dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim)
     max_chunks, chunk_meta, seq_meta = _chunk_plan(cu_seqlens.astype(jnp.int32), num_seqs, num_tokens)
     interpret = interpret_mode()
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if intra_warps is None:
+        intra_warps = 8 if opts.midpoint_diagonal else 4
 
     inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
     block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
@@ -305,7 +311,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         in_specs=[_full(x.shape) for x in intra_inputs],
         out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
-        compiler_params=params, interpret=interpret, name="kda_chunk_intra",
+        compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=num_stages),
+        interpret=interpret, name="kda_chunk_intra",
     )(*intra_inputs)
 
     has_initial_state = initial_state is not None
@@ -328,7 +335,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         in_specs=[_full(x.shape) for x in scan_inputs],
         out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={len(scan_inputs) - 1: 0},
-        compiler_params=params, interpret=interpret, name="kda_chunk_scan",
+        compiler_params=pltriton.CompilerParams(num_warps=scan_warps, num_stages=num_stages),
+        interpret=interpret, name="kda_chunk_scan",
     )(*scan_inputs)
     o = outs[0].reshape(batch, seq_len, num_value_heads, value_dim)
     return o, outs[1], outs[2] if num_positions else None
