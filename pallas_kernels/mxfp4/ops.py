@@ -19,26 +19,24 @@ def _fit(tile: int, dim: int) -> int:
     return tile
 
 
-SPLIT_K_BELOW_PROGRAMS = 264  # two programs per SM of the H200
+SPLIT_K_BELOW_PROGRAMS = 128  # about one program per SM of the H200
 
 
 def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_format: str) -> dict:
     """Kernel tiles for a problem size (static shapes): the fastest configs of the H200 sweep in bench.py,
     shrunk to powers of two that divide ``N`` and ``K``."""
     rows_per_expert = num_rows / num_experts
-    if rows_per_expert <= 16 and weight_format == "mxfp4":  # decode: one row tile per expert
+    if rows_per_expert <= 16:  # decode: one row tile per expert, the weight tile as the MMA's register operand
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
-    elif rows_per_expert <= 16:
-        cfg = dict(block_m=16, block_n=128, block_k=256, num_warps=4, num_stages=4)
     elif rows_per_expert <= 64:
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     cfg = {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
     # Too few (expert, column-tile) programs to fill the GPU: split K over the smallest divisor of the K steps
-    # that reaches SPLIT_K_BELOW_PROGRAMS programs (or over every step). H200, 2026-11-30 (BENCHMARKS.md): one
-    # expert of N=6144 (96 programs) ran 1.29x (MXFP4) / 1.45x (bf16) faster split in 2, about the same in 4;
-    # 13 experts (1248 programs) ran the same either way.
+    # that reaches SPLIT_K_BELOW_PROGRAMS programs (or over every step). H200 device times (BENCHMARKS.md,
+    # session 5): one row of N=4096 (64 programs) 8.5 us whole, 7.9 split in 2; N=2304, K=4096 (36 programs)
+    # 11.7 / 9.1 / 8.4 us in 1 / 2 / 4; 8 experts of N=1024 (128 programs) 11.2 whole, 12.5 split in 2.
     programs = min(num_rows, num_experts) * (dim_n // cfg["block_n"])
     steps = dim_k // cfg["block_k"]
     if programs < SPLIT_K_BELOW_PROGRAMS and steps > 1:
