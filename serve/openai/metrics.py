@@ -93,6 +93,8 @@ class ServerMetrics:
                              ["model_name"], buckets=E2E_BUCKETS, registry=self.registry)
         self.success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        for histogram in (self.ttft, self.itl, self.e2e):  # series exported from the start, at count 0
+            histogram.labels(model_name)
         self.registry.register(_EngineCollector(engine, model_name))
 
     def timer(self) -> RequestTimer:

@@ -396,3 +396,13 @@ def test_engine_failure_is_reported_and_the_server_keeps_serving(server, client,
     assert "device lost" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
     engine.reply = random_words_reply
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_latency_histograms_exported_before_any_request(tokenizer):
+    """A fresh server already exports the latency histograms (count 0), so a scraper's first rate() has a base."""
+    app = build_app(FakeAsyncEngine(tokenizer), ServerConfig((MODEL,), "tiny"))
+    with serve_in_thread(app) as url:
+        text = httpx.get(url + "/metrics").text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert _metric(text, name) == 0, name
