@@ -216,13 +216,13 @@ def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v, ski
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", split_v)
     monkeypatch.setattr(common, "SKINNY_MAX_ROWS", skinny_rows)
     dense_calls = []
-    grouped = gemm_ops.grouped_matmul
+    grouped = gemm_ops.grouped_matmul_concat
 
-    def counting(x, w, *args, **kwargs):
-        dense_calls.extend([w.shape] if w.shape[1] == 1 else [])  # a [L, 1, in, out] view of a dense stack
-        return grouped(x, w, *args, **kwargs)
+    def counting(x, ws, *args, **kwargs):
+        dense_calls.extend(w.shape for w in ws if w.shape[1] == 1)  # [L, 1, in, out] views of dense stacks
+        return grouped(x, ws, *args, **kwargs)
 
-    monkeypatch.setattr(gemm_ops, "grouped_matmul", counting)
+    monkeypatch.setattr(gemm_ops, "grouped_matmul_concat", counting)
     ids = rng.integers(0, lm.config.vocab_size, 7).tolist()
     table = [[1, 2, 3]]
     _, cache = run(lm, new_cache(lm), make_step([ids[:6]], [0], tables=table, slots=[2]))

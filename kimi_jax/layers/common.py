@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -29,12 +30,24 @@ def stacked_linear(x: jax.Array, stack: jax.Array, j: int, *, impl: str | None =
     With ``impl="pallas"`` and ``T <= SKINNY_MAX_ROWS``, the grouped GEMM reads layer j in place (one group of
     T rows at expert offset j, split-K for parallelism): for one-row GEMMs XLA copies the ``stack[j]`` slice first
     (2.9 ms of a 6.3 ms K3 batch-1 step on the H200) and lowers small ones as reductions over few blocks."""
+    return stacked_linears(x, (stack,), j, impl=impl)[0]
+
+
+def stacked_linears(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, *,
+                    impl: str | None = None) -> list[jax.Array]:
+    """``[linear(x, s[j]) for s in stacks]`` for weights of one input width (``[L, in, out_i]``).
+
+    On the skinny path (see :func:`stacked_linear`) the products come from one kernel launch (widths that
+    share a power-of-two tile); elsewhere they are separate GEMMs."""
     if x.ndim == 2 and x.shape[0] <= SKINNY_MAX_ROWS and resolve_impl(impl) == "pallas":
-        from pallas_kernels.mxfp4 import grouped_matmul
+        from pallas_kernels.mxfp4 import grouped_matmul_concat
 
         rows = jnp.full((1,), x.shape[0], jnp.int32)
-        return grouped_matmul(x.astype(stack.dtype), stack[:, None], rows, layer=j, impl="pallas").astype(x.dtype)
-    return linear(x, stack[j])
+        widths = [s.shape[-1] for s in stacks]
+        both = grouped_matmul_concat(x.astype(stacks[0].dtype), [s[:, None] for s in stacks], rows, layer=j,
+                                     impl="pallas").astype(x.dtype)
+        return jnp.split(both, list(itertools.accumulate(widths))[:-1], axis=-1)
+    return [linear(x, s[j]) for s in stacks]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -9,7 +9,7 @@ E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use).
 
 from __future__ import annotations
 
-import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, stacked_linear
+from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, stacked_linear,
+                                    stacked_linears)
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
 from pallas_kernels.impl import resolve_impl
@@ -38,8 +39,8 @@ class DenseMLPStack(nnx.Module):
 def _glu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, j: int, cfg: ModelConfig,
              impl: str | None) -> jax.Array:
     """Layer ``j`` of stacked GLU weights (gate, up ``[L, D, F]``, down ``[L, F, D]``): x [T, D] -> [T, D]."""
-    proj = functools.partial(stacked_linear, j=j, impl=impl)
-    return proj(glu(proj(x, gate), proj(x, up), cfg), down)
+    g, u = stacked_linears(x, (gate, up), j, impl=impl)
+    return stacked_linear(glu(g, u, cfg), down, j, impl=impl)
 
 
 def dense_mlp(p: DenseMLPStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
@@ -111,22 +112,34 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) ->
     return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def _expert_matmul(p: MoEStack, name: str, j: int, xs: jax.Array, sizes: jax.Array, impl: str | None) -> jax.Array:
-    """Grouped GEMM of expert-sorted rows ``xs [M, in]`` with routed expert weight ``name`` -> ``[M, out]`` f32.
+def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, sizes: jax.Array,
+                   impl: str | None) -> list[jax.Array]:
+    """Grouped GEMMs of expert-sorted rows ``xs [M, in]`` with routed expert weights ``names`` (same input
+    width) -> one ``[M, out]`` f32 product each.
 
-    Pallas: the W4A16 grouped kernel streams the packed MXFP4 bytes (or the bf16 grouped kernel); reference:
-    dequantise every expert, then ``lax.ragged_dot`` (exact, but XLA lowers it densely on GPU)."""
-    packed = getattr(p, f"{name}_packed", None)
+    Pallas: one launch of the W4A16 grouped kernel over the packed MXFP4 bytes of every name (or of the bf16
+    grouped kernel); reference: dequantise every expert, then ``lax.ragged_dot`` per name (exact, but XLA
+    lowers it densely on GPU)."""
+    mxfp4_packed = getattr(p, f"{names[0]}_packed", None) is not None
     if resolve_impl(impl) == "pallas":
-        if packed is not None:
-            return gemm_ops.mxfp4_grouped_matmul(xs, packed, getattr(p, f"{name}_scale"), sizes, layer=j,
-                                                 impl="pallas").astype(F32)
-        return gemm_ops.grouped_matmul(xs, getattr(p, name), sizes, layer=j, impl="pallas").astype(F32)
-    if packed is not None:
-        w = jnp.swapaxes(mxfp4.dequantize(packed[j], getattr(p, f"{name}_scale")[j], dtype=xs.dtype), -1, -2)
-    else:
-        w = getattr(p, name)[j]
-    return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32)
+        if mxfp4_packed:
+            both = gemm_ops.mxfp4_grouped_matmul_concat(
+                xs, [(getattr(p, f"{n}_packed"), getattr(p, f"{n}_scale")) for n in names], sizes, layer=j,
+                impl="pallas")
+            widths = [getattr(p, f"{n}_packed").shape[-2] for n in names]
+        else:
+            both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], sizes, layer=j, impl="pallas")
+            widths = [getattr(p, n).shape[-1] for n in names]
+        return jnp.split(both.astype(F32), list(itertools.accumulate(widths))[:-1], axis=-1)
+    out = []
+    for n in names:
+        if mxfp4_packed:
+            w = jnp.swapaxes(mxfp4.dequantize(getattr(p, f"{n}_packed")[j], getattr(p, f"{n}_scale")[j],
+                                              dtype=xs.dtype), -1, -2)
+        else:
+            w = getattr(p, n)[j]
+        out.append(jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32))
+    return out
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -138,10 +151,9 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     xs = z[order // k]
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     dtype = z.dtype
-    gate = _expert_matmul(p, "w1", j, xs, sizes, impl)
-    up = _expert_matmul(p, "w3", j, xs, sizes, impl)
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, sizes, impl)
     act = glu(gate.astype(dtype), up.astype(dtype), cfg)
-    ys = _expert_matmul(p, "w2", j, act, sizes, impl)
+    (ys,) = _expert_matmul(p, ("w2",), j, act, sizes, impl)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(t_rows, k, -1)
     return jnp.einsum("tkd,tk->td", y, weights).astype(dtype)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, normal, stacked_linear
+from kimi_jax.layers.common import F32, constant, fan_in_normal, normal, stacked_linear, stacked_linears
 from kimi_jax.step import StepInputs, TokenLayout
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.impl import resolve_impl
@@ -116,10 +116,16 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
     t_rows = x.shape[0]
     h, hv, k, v = cfg.kda_num_heads, cfg.kda_num_v_heads, cfg.kda_head_dim, cfg.kda_v_head_dim
     proj = functools.partial(stacked_linear, j=j, impl=impl)
-    qkv = jnp.concatenate([proj(x, p.q_proj), proj(x, p.k_proj), proj(x, p.v_proj)], axis=-1)
-    g_raw = proj(proj(x, p.f_a), p.f_b).astype(F32).reshape(t_rows, hv, k)
-    beta_logits = proj(x, p.b_proj).astype(F32)  # [T, HV]
-    gate = proj(x, p.g_proj) if cfg.kda_full_rank_gate else proj(proj(x, p.g_a), p.g_b)
+    full_rank = cfg.kda_full_rank_gate
+    # two launches on the skinny path: the wide projections of x, then the narrow ones (their own tile width)
+    q_lin, k_lin, v_lin, *g_full = stacked_linears(
+        x, (p.q_proj, p.k_proj, p.v_proj) + ((p.g_proj,) if full_rank else ()), j, impl=impl)
+    f_low, beta_logits, *g_low = stacked_linears(x, (p.f_a, p.b_proj) + (() if full_rank else (p.g_a,)), j,
+                                                 impl=impl)
+    qkv = jnp.concatenate([q_lin, k_lin, v_lin], axis=-1)
+    g_raw = proj(f_low, p.f_b).astype(F32).reshape(t_rows, hv, k)
+    beta_logits = beta_logits.astype(F32)  # [T, HV]
+    gate = g_full[0] if full_rank else proj(g_low[0], p.g_b)
     if step.decode_only:
         return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, step, cfg, impl)
 

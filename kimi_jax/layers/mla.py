@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, rms_norm, stacked_linear
+from kimi_jax.layers.common import F32, constant, fan_in_normal, rms_norm, stacked_linear, stacked_linears
 from kimi_jax.step import StepInputs, TokenLayout, slot_mapping
 from pallas_kernels import mla as mla_ops
 
@@ -56,13 +56,11 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     t_rows = x.shape[0]
     h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
+    from_x = (p.q_a if cfg.q_lora_rank else p.q_proj, p.kv_a) + ((p.g_proj,) if cfg.mla_output_gate else ())
+    q, kv, *gate = stacked_linears(x, from_x, j, impl=impl)
     if cfg.q_lora_rank:
-        q = stacked_linear(rms_norm(stacked_linear(x, p.q_a, j, impl=impl), p.q_a_norm[j], cfg.rms_norm_eps), p.q_b,
-                           j, impl=impl)
-    else:
-        q = stacked_linear(x, p.q_proj, j, impl=impl)
+        q = stacked_linear(rms_norm(q, p.q_a_norm[j], cfg.rms_norm_eps), p.q_b, j, impl=impl)
     q = q.reshape(t_rows, h, kn + kr)
-    kv = stacked_linear(x, p.kv_a, j, impl=impl)
     latent = jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
     slots = slot_mapping(step, layout, pages.shape[2])
     if scales is None:
@@ -94,5 +92,5 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     else:
         raise ValueError(f"MLA form must be 'absorbed' or 'unabsorbed', got {form!r}")
     if cfg.mla_output_gate:
-        attn = attn * jax.nn.sigmoid(stacked_linear(x, p.g_proj, j, impl=impl).astype(F32))
+        attn = attn * jax.nn.sigmoid(gate[0].astype(F32))
     return stacked_linear(attn.astype(x.dtype), p.o_proj, j, impl=impl), pages, scales

@@ -50,48 +50,65 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs, split_k):
+                    weights_lhs, split_k, part_tiles):
     *w_refs, o_ref = refs
+    per_part = len(w_refs) // len(part_tiles)  # arrays per weight matrix: 1 (bf16) or 2 (packed + scales)
     t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
     expert = group + offset_ref[0]  # row of the weight arrays
     rows = pl.ds(first_row, block_m)
-    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     # split_k > 1: fp32 partial sums [M, split_k * N], part ``split`` in columns [split * N, (split + 1) * N)
     out_cols = pl.ds(pl.multiple_of((split * (o_ref.shape[1] // split_k)) + j * block_n, block_n), block_n)
     row_mask = (first_row + jnp.arange(block_m)) < end_row
     num_k = x_ref.shape[1] // block_k // split_k  # K steps of this program, from ``split * num_k``
 
-    def weight_tile(k):  # bf16 [block_n, block_k]
+    def weight_tile(part_refs, cols, k):  # bf16 [block_n, block_k]
         k_cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
         if weight_format == "bf16":
-            return w_refs[0][expert, k_cols, cols].T
+            return part_refs[0][expert, k_cols, cols].T
         if weight_format == "bf16_nk":
-            return w_refs[0][expert, cols, k_cols]
-        packed_ref, scales_ref = w_refs
+            return part_refs[0][expert, cols, k_cols]
+        packed_ref, scales_ref = part_refs
         packed = packed_ref[expert, cols, pl.ds(pl.multiple_of(k * (block_k // 2), block_k // 2), block_k // 2)]
         scales = scales_ref[expert, cols,
                             pl.ds(pl.multiple_of(k * (block_k // MX_BLOCK), block_k // MX_BLOCK),
                                   block_k // MX_BLOCK)]
         return _decode_mxfp4_tile(packed, scales)
 
-    def body(k, acc):
-        x = pltriton.load(x_ref.at[rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
-                          mask=row_mask[:, None], other=0.0)
-        if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
-            return acc + jnp.dot(weight_tile(k), x.T, preferred_element_type=jnp.float32)
-        return acc + jnp.dot(x, weight_tile(k).T, preferred_element_type=jnp.float32)
+    def tile_product(part_refs, first_tile):
+        """This program's output tile from one weight matrix, whose column tiles start at ``first_tile``."""
+        cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
-    @pl.when((group >= 0) & (group < num_experts))
-    def _():
+        def body(k, acc):
+            x = pltriton.load(x_ref.at[rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
+                              mask=row_mask[:, None], other=0.0)
+            if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
+                return acc + jnp.dot(weight_tile(part_refs, cols, k), x.T, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(x, weight_tile(part_refs, cols, k).T, preferred_element_type=jnp.float32)
+
         acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
         acc = jax.lax.fori_loop(split * num_k, (split + 1) * num_k, body, jnp.zeros(acc_shape, jnp.float32))
         acc = acc.T if weights_lhs else acc
         pltriton.store(o_ref.at[rows, out_cols], acc.astype(o_ref.dtype), mask=row_mask[:, None])
 
+    first_tile = 0
+    for part, tiles in enumerate(part_tiles):  # static: one code path per weight matrix
+        part_refs = w_refs[part * per_part:(part + 1) * per_part]
+        pl.when((group >= 0) & (group < num_experts) & (j >= first_tile) & (j < first_tile + tiles))(
+            functools.partial(tile_product, part_refs, first_tile))
+        first_tile += tiles
+
     @pl.when(group == num_experts)  # rows past sum(group_sizes)
     def _():
         pltriton.store(o_ref.at[rows, out_cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
+
+
+def _output_width(weights: tuple[jax.Array, ...], weight_format: str) -> int:
+    if weight_format == "bf16":
+        return weights[0].shape[2]
+    if weight_format in ("bf16_nk", "mxfp4"):
+        return weights[0].shape[1]
+    raise ValueError(f"unknown weight_format {weight_format!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
@@ -111,36 +128,47 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation). ``split_k``
     (dividing ``K / block_k``) cuts every tile's K loop across that many programs, which write fp32 partial sums
     that are then added: at decode a few experts' tiles alone cannot fill the GPU."""
+    return grouped_gemm_concat_pallas(x, (weights,), group_sizes, expert_offset, weight_format=weight_format,
+                                      block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                      num_stages=num_stages, weights_lhs=weights_lhs, split_k=split_k)
+
+
+@functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "weights_lhs", "split_k"))
+def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
+                               expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
+                               block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                               weights_lhs: bool = False, split_k: int = 1) -> jax.Array:
+    """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
+    format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
+    side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step."""
     num_rows, dim_k = x.shape
     num_experts = group_sizes.shape[0]
-    if weight_format == "bf16":
-        dim_n = weights[0].shape[2]
-    elif weight_format in ("bf16_nk", "mxfp4"):
-        dim_n = weights[0].shape[1]
-    else:
-        raise ValueError(f"unknown weight_format {weight_format!r}")
-    if dim_k % block_k or dim_n % block_n or (weight_format == "mxfp4" and block_k % MX_BLOCK):
-        raise ValueError(f"K={dim_k} / N={dim_n} must be multiples of block_k={block_k} / block_n={block_n}")
+    widths = [_output_width(w, weight_format) for w in matrices]
+    dim_n = sum(widths)
+    if any(n % block_n for n in widths) or dim_k % block_k or (weight_format == "mxfp4" and block_k % MX_BLOCK):
+        raise ValueError(f"K={dim_k} / N={widths} must be multiples of block_k={block_k} / block_n={block_n}")
     if split_k < 1 or (dim_k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
     schedule = make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     offset = jnp.asarray(expert_offset, jnp.int32).reshape(1)
+    flat = [a for w in matrices for a in w]
     kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs,
-                               split_k=split_k)
+                               split_k=split_k, part_tiles=tuple(n // block_n for n in widths))
     out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
         (num_rows, split_k * dim_n), jnp.float32)
     result = pl.pallas_call(
         kernel,
         out_shape=out,
         grid=(schedule.shape[1], dim_n // block_n, split_k),
-        in_specs=[whole(schedule), whole(offset), whole(x), *(whole(w) for w in weights)],
+        in_specs=[whole(schedule), whole(offset), whole(x), *(whole(a) for a in flat)],
         out_specs=whole(out),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret_mode(),
         name=f"grouped_gemm_{weight_format}",
-    )(schedule, offset, x, *weights)
+    )(schedule, offset, x, *flat)
     if split_k == 1:
         return result
     return jnp.sum(result.reshape(num_rows, split_k, dim_n), axis=1).astype(x.dtype)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 
 from kimi_jax.quant.mxfp4 import dequantize
 from pallas_kernels.impl import resolve_impl
-from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
+from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas
 from pallas_kernels.mxfp4.reference import (grouped_matmul_reference, mxfp4_grouped_matmul_reference,
                                             mxfp4_matmul_reference)
 
@@ -22,9 +25,11 @@ def _fit(tile: int, dim: int) -> int:
 SPLIT_K_BELOW_PROGRAMS = 128  # about one program per SM of the H200
 
 
-def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_format: str) -> dict:
+def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_format: str,
+                widths: tuple[int, ...] | None = None) -> dict:
     """Kernel tiles for a problem size (static shapes): the fastest configs of the H200 sweep in bench.py,
-    shrunk to powers of two that divide ``N`` and ``K``."""
+    shrunk to powers of two that divide ``K`` and ``N`` (every one of ``widths`` when several weight matrices
+    share the launch; ``dim_n`` is their sum)."""
     rows_per_expert = num_rows / num_experts
     if rows_per_expert <= 16:  # decode: one row tile per expert, the weight tile as the MMA's register operand
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
@@ -32,7 +37,8 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
-    cfg = {**cfg, "block_n": _fit(cfg["block_n"], dim_n), "block_k": _fit(cfg["block_k"], dim_k)}
+    cfg = {**cfg, "block_n": _fit(cfg["block_n"], math.gcd(*(widths or (dim_n,)))),
+           "block_k": _fit(cfg["block_k"], dim_k)}
     # Too few (expert, column-tile) programs to fill the GPU: split K over the smallest divisor of the K steps
     # that reaches SPLIT_K_BELOW_PROGRAMS programs (or over every step). H200 device times (BENCHMARKS.md,
     # session 5): one row of N=4096 (64 programs) 8.5 us whole, 7.9 split in 2; N=2304, K=4096 (36 programs)
@@ -65,13 +71,23 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
 
     fp32 accumulation; rows at or past ``sum(group_sizes)`` (which must be ``<= M``) are zero.
     """
+    return mxfp4_grouped_matmul_concat(x, ((packed, scales),), group_sizes, layer=layer, impl=impl)
+
+
+def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
+                                group_sizes: jax.Array, *, layer: int | None = None,
+                                impl: str | None = None) -> jax.Array:
+    """:func:`mxfp4_grouped_matmul` against several ``(packed, scales)`` matrices of the same K (e.g. the gate
+    and up projections): their products side by side, ``[M, sum N_i]``, from one kernel launch."""
     if resolve_impl(impl) == "reference":
-        if layer is not None:
-            packed, scales = packed[layer], scales[layer]
-        return mxfp4_grouped_matmul_reference(x, packed, scales, group_sizes)
-    (packed, scales), offset = _flatten_layers(layer, packed, scales)
-    cfg = tile_config(x.shape[0], group_sizes.shape[0], packed.shape[1], x.shape[1], "mxfp4")
-    return grouped_gemm_pallas(x, (packed, scales), group_sizes, offset, weight_format="mxfp4", **cfg)
+        pick = (lambda a: a) if layer is None else (lambda a: a[layer])
+        return jnp.concatenate([mxfp4_grouped_matmul_reference(x, pick(p), pick(s), group_sizes)
+                                for p, s in matrices], axis=-1)
+    flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
+    matrices = tuple(zip(flat[0::2], flat[1::2]))
+    widths = tuple(p.shape[1] for p, _ in matrices)
+    cfg = tile_config(x.shape[0], group_sizes.shape[0], sum(widths), x.shape[1], "mxfp4", widths)
+    return grouped_gemm_concat_pallas(x, matrices, group_sizes, offset, weight_format="mxfp4", **cfg)
 
 
 def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: str | None = None) -> jax.Array:
@@ -97,11 +113,21 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
     Same contract as ``jax.lax.ragged_dot`` (rows past ``sum(group_sizes)`` are zero) without its dense-masked
     GPU lowering.
     """
+    return grouped_matmul_concat(x, (w,), group_sizes, transpose_rhs=transpose_rhs, layer=layer, impl=impl)
+
+
+def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: jax.Array, *,
+                          transpose_rhs: bool = False, layer: int | None = None,
+                          impl: str | None = None) -> jax.Array:
+    """:func:`grouped_matmul` against several weights of the same K and leading shape: ``[M, sum N_i]``, the
+    products side by side, from one kernel launch (Pallas)."""
     if resolve_impl(impl) == "reference":
-        w = w if layer is None else w[layer]
-        return grouped_matmul_reference(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
-    (w,), offset = _flatten_layers(layer, w)
-    dim_n, dim_k = (w.shape[1], w.shape[2]) if transpose_rhs else (w.shape[2], w.shape[1])
-    cfg = tile_config(x.shape[0], group_sizes.shape[0], dim_n, dim_k, "bf16")
-    return grouped_gemm_pallas(x, (w,), group_sizes, offset, weight_format="bf16_nk" if transpose_rhs else "bf16",
-                               **cfg)
+        pick = (lambda a: a) if layer is None else (lambda a: a[layer])
+        return jnp.concatenate([grouped_matmul_reference(x, jnp.swapaxes(pick(w), 1, 2) if transpose_rhs else pick(w),
+                                                         group_sizes) for w in ws], axis=-1)
+    ws, offset = _flatten_layers(layer, *ws)
+    widths = tuple(w.shape[1] if transpose_rhs else w.shape[2] for w in ws)
+    dim_k = ws[0].shape[2] if transpose_rhs else ws[0].shape[1]
+    cfg = tile_config(x.shape[0], group_sizes.shape[0], sum(widths), dim_k, "bf16", widths)
+    return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), group_sizes, offset,
+                                      weight_format="bf16_nk" if transpose_rhs else "bf16", **cfg)

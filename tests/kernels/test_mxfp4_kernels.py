@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from kimi_jax.quant.mxfp4 import E2M1_VALUES
-from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_reference, mxfp4_grouped_matmul,
-                                  mxfp4_grouped_matmul_reference, mxfp4_matmul, mxfp4_matmul_reference)
-from pallas_kernels.mxfp4.kernel import _e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_pallas
+from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
+                                  mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
+                                  mxfp4_matmul, mxfp4_matmul_reference)
+from pallas_kernels.mxfp4.kernel import (_e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_concat_pallas,
+                                         grouped_gemm_pallas)
 from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
@@ -179,3 +181,43 @@ def test_tile_config_splits_k_only_when_few_programs_would_run():
     assert "split_k" not in tile_config(8192, 56, 6144, 3584, "mxfp4")
 
 
+
+
+@pytest.mark.parametrize("weight_format,split_k", [("mxfp4", 1), ("bf16", 2)])
+def test_concatenated_matrices_in_one_launch(weight_format, split_k):
+    """Several weight matrices of different widths in one launch give their products side by side, exactly as
+    separate launches do (same groups, zero rows past them, split-K partials added per matrix)."""
+    x, packed, scales, gs = random_problem(41, [5, 0, 30], NUM_ROWS)
+    _, packed2, scales2, _ = random_problem(42, [5, 0, 30], NUM_ROWS, n=32)
+    rng = np.random.default_rng(6)
+    w16 = [jnp.asarray(rng.standard_normal((3, 64, n)), jnp.bfloat16) for n in (16, 32)]
+    if weight_format == "mxfp4":
+        matrices = ((packed, scales), (packed2, scales2))
+        want = np.concatenate([mxfp4_grouped_matmul_reference(x, p, s, gs) for p, s in matrices], axis=1)
+    else:
+        matrices = tuple((w,) for w in w16)
+        want = np.concatenate([grouped_matmul_reference(x, w, gs) for w in w16], axis=1)
+    got = grouped_gemm_concat_pallas(x, matrices, gs, weight_format=weight_format, split_k=split_k, **SMALL_TILES)
+    assert got.shape == (NUM_ROWS, 48)
+    assert_rows_close(got, want)
+    assert not np.asarray(got[35:], np.float32).any()
+    one = [grouped_gemm_pallas(x, m, gs, weight_format=weight_format, split_k=split_k, **SMALL_TILES)
+           for m in matrices]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.concatenate(one, axis=1).astype(np.float32))
+
+
+def test_concat_ops_read_the_stacked_layer():
+    """The public concat ops pick layer ``l`` of stacked [L, E, ...] weights (other layers NaN) and match their
+    reference; their tile fits every width."""
+    x, packed, scales, gs = random_problem(43, [4, 0, 20], NUM_ROWS)
+    _, packed2, scales2, _ = random_problem(44, [4, 0, 20], NUM_ROWS, n=32)
+    nan = lambda s: jnp.stack([jnp.full_like(s, 255), s])  # noqa: E731 - E8M0 255 = NaN in layer 0
+    parts = [(jnp.stack([packed, packed]), nan(scales)), (jnp.stack([packed2, packed2]), nan(scales2))]
+    want = mxfp4_grouped_matmul_concat(x, parts, gs, layer=1, impl="reference")
+    assert want.shape == (NUM_ROWS, 48) and np.isfinite(np.asarray(want, np.float32)).all()
+    assert_rows_close(mxfp4_grouped_matmul_concat(x, parts, gs, layer=1, impl="pallas"), want)
+    rng = np.random.default_rng(8)
+    ws = [jnp.asarray(rng.standard_normal((2, 3, 64, n)), jnp.bfloat16).at[0].set(jnp.nan) for n in (32, 16)]
+    want = grouped_matmul_concat(x, ws, gs, layer=1, impl="reference")
+    assert_rows_close(grouped_matmul_concat(x, ws, gs, layer=1, impl="pallas"), want)
+    np.testing.assert_array_equal(want[:, :32], grouped_matmul_reference(x, ws[0][1], gs))
