@@ -1,8 +1,8 @@
 """The device side of the engine: parameters and cache pools on a mesh, one precompiled step per bucket.
 
 A step (``ModelRunner.execute``) turns a ``SchedulerOutput`` into padded numpy arrays (a ``StepBatch``:
-the packed ``StepInputs`` plus per-row ``SamplingTensors``), packs the small ones into one int32 buffer
-(``step_batch.py``), sends it in one ``device_put`` and launches the bucket's ahead-of-time compiled
+the packed ``StepInputs`` plus per-row ``SamplingTensors``), written straight into the bucket's one int32 word
+buffer (``step_batch.WordBuffer``), passes a copy of it as one host argument and launches the bucket's ahead-of-time compiled
 executable (steps where every sequence decodes one token take the model's ``decode_only`` path, see
 ``buckets.py``): model forward over the paged hybrid cache -> logits of each sequence's last row -> grammar
 bitmask, penalties, sampling and top logprobs (decode buckets also have a greedy-only variant that just takes
@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import time
 from functools import partial
@@ -50,7 +51,7 @@ from serve.engine.memory_report import GIB, check_step_memory, large_buffers, st
 from serve.engine.outputs import SampledTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, join, pack, split, unpack
+from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
 from sharding.rules import fitted_cache_specs
 
@@ -216,7 +217,7 @@ class ModelRunner:
         self._neutral: dict[int, dict[str, jax.Array]] = {}
         self._steps: dict[tuple[int, int, int, bool], jax.stages.Compiled] = {}
         self.step_temp_bytes: dict[tuple[int, int, int, bool, bool], int] = {}  # temporaries per step executable
-        self._layouts: dict[tuple[int, int, int, bool], PackedLayout] = {}
+        self._buffers: dict[tuple[int, int, int, bool], WordBuffer] = {}  # per bucket
         self._copy = self._poison = None
         self._last_launch = None
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
@@ -276,7 +277,9 @@ class ModelRunner:
         lowered = {}
         for shape in self.buckets.shapes():
             small, optional = split(self._abstract_batch(*shape))
-            layout = self._layouts[shape] = PackedLayout.of(small)
+            layout = PackedLayout.of(small)
+            self._buffers[shape] = WordBuffer(split(self._neutral_batch(*shape))[0])
+            assert self._buffers[shape].layout == layout, shape
             words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
                 step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
@@ -338,18 +341,15 @@ class ModelRunner:
             self._launch_copies(out.block_copies, out.slot_copies)
         if not out.sequences:
             return StepHandle(None, 0, False)
-        batch, with_logprobs = self.build_batch(out.sequences)
+        batch, optional, with_logprobs = self.build_batch(out.sequences)
         step = batch.step
         shape = (step.num_tokens, step.num_seqs, step.block_tables.shape[1], step.decode_only)
-        small, optional = split(batch)
-        words = pack(small)
-        assert words.shape[0] == self._layouts[shape].num_words, shape
         greedy_only = step.decode_only and not any(map(bool, (batch.use_sampling, batch.use_bitmask,
                                                               batch.use_penalties, batch.want_top_logprobs)))
         # Host arrays (the word buffer; penalty or grammar arrays when a row uses them) go to the executable as
         # numpy: its C++ argument path transfers them. jax.device_put first cost ~160 us of host time per step
         # here against ~6 us; the neutral optional arrays already live on the device.
-        inputs = (words, optional)
+        inputs = (self._buffers[shape].take(), optional)
         key = (*shape, greedy_only)
         self.launch_counts[key] += 1
         self._last_launch = (self._steps[key], (*inputs, self._tokens))
@@ -367,16 +367,19 @@ class ModelRunner:
         jax.block_until_ready((sampled, self.cache))
         return (time.perf_counter() - start) / repeats
 
-    def build_batch(self, sequences: Sequence[ScheduledSequence]) -> tuple[StepBatch, bool]:
-        """Padded host arrays for ``sequences`` in the smallest bucket; also whether logprobs must be fetched."""
+    def build_batch(self, sequences: Sequence[ScheduledSequence]) -> tuple[StepBatch, tuple, bool]:
+        """The step's arrays in the smallest bucket, written into that bucket's word buffer: (the batch of views
+        into it, without the optional sampling arrays; those arrays in OPTIONAL_SAMPLING order; whether logprobs
+        must be fetched)."""
         lens = [s.num_tokens for s in sequences]
         total = sum(lens)
         decode_only = all(s.num_tokens == 1 and s.context_len > 0 and not s.checkpoint_positions for s in sequences)
         t, n, p, _ = self.buckets.pick(total, len(sequences), max(len(s.block_table) for s in sequences),
                                        decode_only=decode_only)
-        step = self._empty_step(t, n, p, decode_only)
+        views = self._buffers[(t, n, p, decode_only)].reset()
+        step = views.step
         cu = step.cu_seqlens
-        cu[1:len(lens) + 1] = np.cumsum(lens)
+        cu[1:len(lens) + 1] = list(itertools.accumulate(lens))
         cu[len(lens) + 1:] = total
         step.token_ids[:total] = np.fromiter((tok for s in sequences for tok in s.token_ids), np.int32, total)
         step.logits_indices[:len(lens)] = cu[1:len(lens) + 1] - 1
@@ -384,23 +387,33 @@ class ModelRunner:
             step.context_lens[i] = seq.context_len
             step.block_tables[i, :len(seq.block_table)] = seq.block_table
             step.state_slots[i] = seq.state_slot
-            step.checkpoint_positions[i, :len(seq.checkpoint_positions)] = seq.checkpoint_positions
-            step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
+            if seq.checkpoint_positions:
+                step.checkpoint_positions[i, :len(seq.checkpoint_positions)] = seq.checkpoint_positions
+                step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
         rows = [s.request if s.is_sampled else None for s in sequences]
-        sampling = SamplingTensors.from_requests(rows, self.vocab_size, num_rows=n, penalty_width=self.penalty_width)
+        views.sampling.fill_rows(rows, self.vocab_size)
         for i, seq in enumerate(sequences):
             if seq.token_ids[0] < 0:  # scheduled ahead: the in-flight step's token is this request's next output
-                sampling.step_index[i] += 1
-        with_logprobs = any(r is not None and r.sampling_params.logprobs is not None for r in rows)
-        want_top = any(r is not None and r.sampling_params.logprobs for r in rows)
-        neutral = self._neutral_sampling(n)
-        sampling = dataclasses.replace(sampling, **{name: neutral[name] for name in OPTIONAL_SAMPLING
-                                                    if getattr(sampling, name) is None})
-        use_sampling = any(r is not None and not r.sampling_params.is_greedy for r in rows)
-        use_bitmask = any(r is not None and r.constraint is not None for r in rows)
-        use_penalties = any(r is not None and r.sampling_params.uses_penalties for r in rows)
-        batch = StepBatch(step, sampling, *map(np.asarray, (use_sampling, use_bitmask, use_penalties, want_top)))
-        return batch, with_logprobs
+                views.sampling.step_index[i] += 1
+        live = [r for r in rows if r is not None]
+        with_logprobs = any(r.sampling_params.logprobs is not None for r in live)
+        views.want_top_logprobs[...] = any(r.sampling_params.logprobs for r in live)
+        views.use_sampling[...] = any(not r.sampling_params.is_greedy for r in live)
+        views.use_bitmask[...] = any(r.constraint is not None for r in live)
+        views.use_penalties[...] = any(r.sampling_params.uses_penalties for r in live)
+        optional = self._neutral_sampling(n)  # device-resident; replaced by host arrays where a row needs them
+        if views.use_bitmask or views.use_penalties:
+            built = SamplingTensors.from_requests(rows, self.vocab_size, num_rows=n, penalty_width=self.penalty_width)
+            optional = {name: value if (value := getattr(built, name)) is not None else optional[name]
+                        for name in OPTIONAL_SAMPLING}
+        return views, tuple(optional[name] for name in OPTIONAL_SAMPLING), with_logprobs
+
+    def _neutral_batch(self, t: int, n: int, p: int, decode_only: bool) -> StepBatch:
+        """A bucket's all-padding batch on the host (every optional sampling array present)."""
+        sampling = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
+                                                 always_penalties=True, always_bitmask=True)
+        flag = np.asarray(False)
+        return StepBatch(self._empty_step(t, n, p, decode_only), sampling, flag, flag, flag, flag)
 
     def _empty_step(self, t: int, n: int, p: int, decode_only: bool) -> StepInputs:
         """Bucket-shaped StepInputs of padding only (every sequence empty, block 0, slot 0)."""
@@ -413,11 +426,8 @@ class ModelRunner:
             decode_only=decode_only)
 
     def _abstract_batch(self, t: int, n: int, p: int, decode_only: bool) -> StepBatch:
-        sampling = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
-                                                 always_penalties=True, always_bitmask=True)
-        flag = np.asarray(False)
-        batch = StepBatch(self._empty_step(t, n, p, decode_only), sampling, flag, flag, flag, flag)
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), batch)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
+                            self._neutral_batch(t, n, p, decode_only))
 
     def _neutral_sampling(self, n: int) -> dict[str, jax.Array]:
         """Device-resident penalty and bitmask arrays that change nothing, for steps that do not use them."""

@@ -80,19 +80,15 @@ class SamplingTensors:
         top_k = np.full(num_rows, vocab_size, np.int32)
         key_data = np.zeros((num_rows, 2), np.uint32)
         step_index = np.zeros(num_rows, np.int32)
+        rows = cls(temperature, top_k, top_p, min_p, presence, frequency, repetition, key_data, step_index,
+                   None, None, None, None)
+        rows.fill_rows(requests, vocab_size)
         penalised: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         masks: dict[int, np.ndarray] = {}
         for i, request in enumerate(requests):
             if request is None:
                 continue
-            p = request.sampling_params
-            temperature[i] = 0.0 if p.is_greedy else p.temperature
-            top_k[i] = p.top_k if 0 < p.top_k < vocab_size else vocab_size
-            top_p[i], min_p[i] = p.top_p, p.min_p
-            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            key_data[i] = (request.seed >> 32) & 0xFFFFFFFF, request.seed & 0xFFFFFFFF
-            step_index[i] = request.num_output_tokens
-            if p.uses_penalties:
+            if request.sampling_params.uses_penalties:
                 penalised[i] = _penalty_entries(request.prompt_token_ids, request.output_token_ids)
             if request.constraint is not None:
                 masks[i] = np.asarray(request.constraint.allowed_token_bitmask(), np.int32)
@@ -113,8 +109,24 @@ class SamplingTensors:
             bitmask = np.full((num_rows, -(-vocab_size // 32)), -1, np.int32)
             for i, mask in masks.items():
                 bitmask[i] = mask
-        return cls(temperature, top_k, top_p, min_p, presence, frequency, repetition, key_data, step_index,
-                   pen_ids, pen_counts, pen_prompt, bitmask)
+        return dataclasses.replace(rows, penalty_token_ids=pen_ids, penalty_output_counts=pen_counts,
+                                   penalty_in_prompt=pen_prompt, allowed_bitmask=bitmask)
+
+    def fill_rows(self, requests: Sequence[Request | None], vocab_size: int) -> None:
+        """Write each request's per-row parameters (every field but the optional arrays) into row i of these
+        arrays, in place; ``None`` entries stay as they are (padding)."""
+        for i, request in enumerate(requests):
+            if request is None:
+                continue
+            p = request.sampling_params
+            self.temperature[i] = 0.0 if p.is_greedy else p.temperature
+            self.top_k[i] = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+            self.top_p[i], self.min_p[i] = p.top_p, p.min_p
+            self.presence_penalty[i] = p.presence_penalty
+            self.frequency_penalty[i] = p.frequency_penalty
+            self.repetition_penalty[i] = p.repetition_penalty
+            self.seed_key_data[i] = (request.seed >> 32) & 0xFFFFFFFF, request.seed & 0xFFFFFFFF
+            self.step_index[i] = request.num_output_tokens
 
 
 def _penalty_entries(prompt: Sequence[int], output: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

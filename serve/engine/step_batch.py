@@ -83,6 +83,34 @@ def pack(small: StepBatch) -> np.ndarray:
     return np.concatenate(words)
 
 
+class WordBuffer:
+    """A bucket's reusable word buffer with a StepBatch of numpy views into it, so the runner writes a step's
+    values straight into their packed places (bool leaves are int32 0 / 1 views): no per-step array allocation,
+    tree flattening or concatenation on the host's critical path.
+
+    ``reset()`` restores the neutral (all-padding) batch and returns the views; ``take()`` a copy of the words
+    for the executable (the buffer is refilled while that step is still in flight)."""
+
+    def __init__(self, neutral: StepBatch):
+        self.layout = PackedLayout.of(neutral)
+        self._template = pack(neutral)
+        self._words = self._template.copy()
+        leaves, offset = [], 0
+        for shape, dtype in self.layout.leaves:
+            size = int(np.prod(shape))
+            seg = self._words[offset:offset + size]
+            offset += size
+            leaves.append((seg if dtype in ("int32", "bool") else seg.view(np.dtype(dtype))).reshape(shape))
+        self._views: StepBatch = jax.tree.unflatten(self.layout.treedef, leaves)
+
+    def reset(self) -> StepBatch:
+        np.copyto(self._words, self._template)
+        return self._views
+
+    def take(self) -> np.ndarray:
+        return self._words.copy()
+
+
 def unpack(words: jax.Array, layout: PackedLayout) -> StepBatch:
     """Inverse of ``pack`` inside the jitted step: words [W] int32 -> the small StepBatch."""
     leaves, offset = [], 0

@@ -30,7 +30,7 @@ from serve.engine.hit_rates import multi_turn_chat, shared_system_prompt
 from serve.engine.outputs import SampledTokens
 from serve.engine.runner import ModelRunner, backend_compile_count
 from serve.engine.scheduler import ScheduledSequence
-from serve.engine.step_batch import PackedLayout, pack, split, unpack
+from serve.engine.step_batch import PackedLayout, pack, unpack
 
 SMALL = ModelConfig(
     vocab_size=4096, hidden_size=32, num_layers=4, layer_types=("kda", "mla", "kda", "mla"),
@@ -144,7 +144,7 @@ def test_buckets_padding_and_warm_up(reference):
     request = engine.scheduler.requests["g"]
     seq = ScheduledSequence(request, PROMPTS["g"][:7], 0, [5, 6], 3, [4, 7], [9, 10], False)
     dec = ScheduledSequence(engine.scheduler.requests["f"], [11], 3, [8], 2, [], [], True)
-    batch, with_logprobs = runner.build_batch([seq, dec])
+    batch, optional, with_logprobs = runner.build_batch([seq, dec])
     s = batch.step
     assert s.token_ids.shape == (16,) and s.num_seqs == 8 and s.block_tables.shape == (8, 16)
     np.testing.assert_array_equal(s.token_ids, PROMPTS["g"][:7] + [11] + [0] * 8)
@@ -159,14 +159,17 @@ def test_buckets_padding_and_warm_up(reference):
     assert with_logprobs and bool(batch.want_top_logprobs)
     assert not bool(batch.use_penalties) and not bool(batch.use_bitmask) and not bool(batch.use_sampling)
     assert not s.decode_only
-    decode, _ = runner.build_batch([dec])
-    assert decode.step.decode_only and decode.step.token_ids.shape == (8,)
-    # the one-buffer transfer format round-trips every leaf bit for bit
-    small, optional = split(batch)
-    layout = PackedLayout.of(small)
-    restored = jax.jit(functools.partial(unpack, layout=layout))(pack(small))
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(small)):
+    # the one-buffer transfer format round-trips every leaf bit for bit, and the bucket's word buffer (which
+    # build_batch wrote the batch into) holds exactly the packed batch
+    layout = PackedLayout.of(batch)
+    restored = jax.jit(functools.partial(unpack, layout=layout))(pack(batch))
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(batch)):
         np.testing.assert_array_equal(np.asarray(got), want)
+    words = runner._buffers[(16, 8, 16, False)].take()
+    np.testing.assert_array_equal(words, pack(batch))
+    decode, _, _ = runner.build_batch([dec])  # refills the decode bucket's buffer; the prefill one is untouched
+    assert decode.step.decode_only and decode.step.token_ids.shape == (8,)
+    np.testing.assert_array_equal(runner._buffers[(16, 8, 16, False)].take(), words)
     assert len(optional) == 4 and optional[0].shape == (8, 64)  # penalty lists, width min(max_model_len, V)
     for name in ("f", "g"):
         engine.abort_request(name)
