@@ -3,7 +3,8 @@
 For each batch size B: B requests with random prompts are prefilled, then (all of them decoding) K engine
 steps are timed. Reported per step: engine wall time, device time of the same compiled step launched back to
 back with no host work (``ModelRunner.time_step``), the serial host work that leaves the device idle
-(update + schedule + launch) and the host work overlapped with the device (output processing), plus the
+(update + schedule + launch, and of the launch the executable call alone) and the host work overlapped with
+the device (output processing), plus the
 roofline: bytes a decode step must read (active weights, KDA state read + write, MLA latents) over the copy
 bandwidth.
 
@@ -151,9 +152,11 @@ def main(argv: list[str] | None = None) -> None:
         timings = []
         runner.launch_counts.clear()
         t0 = time.perf_counter()
+        calls = []
         for _ in range(args.decode_steps):
             engine.step()
             timings.append(engine.last_timing)
+            calls.append(runner.last_call_seconds)
         wall = (time.perf_counter() - t0) / args.decode_steps
         device = runner.time_step(args.decode_steps)
         if args.profile:
@@ -167,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         greedy_launches = sum(n for key, n in runner.launch_counts.items() if key[4])
         ahead = float(np.mean([t.ahead for t in timings]))
         rows.append(dict(batch=batch, tokens_per_s=batch / wall, step_ms=wall * 1e3, device_ms=device * 1e3,
-                         host_serial_ms=serial * 1e3, launch_ms=launch * 1e3, host_overlapped_ms=overlapped * 1e3,
+                         host_serial_ms=serial * 1e3, launch_ms=launch * 1e3,
+                         executable_call_ms=float(np.mean(calls)) * 1e3, host_overlapped_ms=overlapped * 1e3,
                          ahead_fraction=ahead, greedy_variant_launches=greedy_launches,
                          host_overhead=max(0.0, wall - device) / wall, roofline_ms=roof * 1e3,
                          roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall))

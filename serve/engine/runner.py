@@ -220,6 +220,7 @@ class ModelRunner:
         self._buffers: dict[tuple[int, int, int, bool], WordBuffer] = {}  # per bucket
         self._copy = self._poison = None
         self._last_launch = None
+        self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
         self._tokens = jax.device_put(np.zeros(max(self.buckets.seqs), np.int32), self.replicated)
         self.warm_up_seconds = 0.0
@@ -353,7 +354,9 @@ class ModelRunner:
         key = (*shape, greedy_only)
         self.launch_counts[key] += 1
         self._last_launch = (self._steps[key], (*inputs, self._tokens))
+        start = time.perf_counter()
         sampled, self._tokens, self.cache = self._last_launch[0](self.params, self.cache, *self._last_launch[1])
+        self.last_call_seconds = time.perf_counter() - start
         return StepHandle(sampled, len(out.sequences), with_logprobs)
 
     def time_step(self, repeats: int) -> float:
