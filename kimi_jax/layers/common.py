@@ -43,11 +43,15 @@ def stacked_linears(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, *,
         from pallas_kernels.mxfp4 import grouped_matmul_concat
 
         rows = jnp.full((1,), x.shape[0], jnp.int32)
-        widths = [s.shape[-1] for s in stacks]
         both = grouped_matmul_concat(x.astype(stacks[0].dtype), [s[:, None] for s in stacks], rows, layer=j,
                                      impl="pallas").astype(x.dtype)
-        return jnp.split(both, list(itertools.accumulate(widths))[:-1], axis=-1)
+        return split_columns(both, [s.shape[-1] for s in stacks])
     return [linear(x, s[j]) for s in stacks]
+
+
+def split_columns(y: jax.Array, widths: list[int]) -> list[jax.Array]:
+    """``y [..., sum(widths)]`` -> its consecutive column blocks of those widths (products computed side by side)."""
+    return jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=-1)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -9,16 +9,14 @@ E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use).
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, stacked_linear,
-                                    stacked_linears)
+from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, split_columns,
+                                    stacked_linear, stacked_linears)
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
 from pallas_kernels.impl import resolve_impl
@@ -130,7 +128,7 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, s
         else:
             both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], sizes, layer=j, impl="pallas")
             widths = [getattr(p, n).shape[-1] for n in names]
-        return jnp.split(both.astype(F32), list(itertools.accumulate(widths))[:-1], axis=-1)
+        return split_columns(both.astype(F32), widths)
     out = []
     for n in names:
         if mxfp4_packed:

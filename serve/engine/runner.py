@@ -2,11 +2,11 @@
 
 A step (``ModelRunner.execute``) turns a ``SchedulerOutput`` into padded numpy arrays (a ``StepBatch``:
 the packed ``StepInputs`` plus per-row ``SamplingTensors``), written straight into the bucket's one int32 word
-buffer (``step_batch.WordBuffer``), passes a copy of it as one host argument and launches the bucket's ahead-of-time compiled
-executable (steps where every sequence decodes one token take the model's ``decode_only`` path, see
-``buckets.py``): model forward over the paged hybrid cache -> logits of each sequence's last row -> grammar
-bitmask, penalties, sampling and top logprobs (decode buckets also have a greedy-only variant that just takes
-the argmax, picked per step on the host). The cache is donated, so pages and slots update in place.
+buffer (``step_batch.WordBuffer``), passes a copy of it as one host argument and launches the bucket's
+ahead-of-time compiled executable (steps where every sequence decodes one token take the model's
+``decode_only`` path, see ``buckets.py``): model forward over the paged hybrid cache -> logits of each
+sequence's last row -> grammar bitmask, penalties, sampling and top logprobs (decode buckets also have a
+greedy-only variant that just takes the argmax, picked per step on the host). The cache is donated, so pages and slots update in place.
 ``execute`` returns a ``StepHandle`` with the copy of the sampled token ids to the host already queued; only
 token ids (and logprobs when a row asked for them) ever cross to the host. The launch must return before the
 device finishes (that is what lets the engine schedule ahead), so a step contains no ``while`` loop and no
@@ -277,10 +277,10 @@ class ModelRunner:
         cfg = self.config
         lowered = {}
         for shape in self.buckets.shapes():
-            small, optional = split(self._abstract_batch(*shape))
-            layout = PackedLayout.of(small)
-            self._buffers[shape] = WordBuffer(split(self._neutral_batch(*shape))[0])
-            assert self._buffers[shape].layout == layout, shape
+            small, optional = split(self._neutral_batch(*shape))
+            self._buffers[shape] = WordBuffer(small)
+            layout = self._buffers[shape].layout
+            optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
             words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
                 step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
@@ -427,10 +427,6 @@ class ModelRunner:
             state_slots=np.zeros(n, np.int32), logits_indices=np.zeros(n, np.int32),
             checkpoint_positions=np.full((n, pc), -1, np.int32), checkpoint_slots=np.zeros((n, pc), np.int32),
             decode_only=decode_only)
-
-    def _abstract_batch(self, t: int, n: int, p: int, decode_only: bool) -> StepBatch:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
-                            self._neutral_batch(t, n, p, decode_only))
 
     def _neutral_sampling(self, n: int) -> dict[str, jax.Array]:
         """Device-resident penalty and bitmask arrays that change nothing, for steps that do not use them."""

@@ -73,6 +73,14 @@ class PackedLayout:
     def num_words(self) -> int:
         return sum(int(np.prod(shape)) for shape, _ in self.leaves)
 
+    def segments(self):
+        """Yield ``(words slice, shape, dtype name)`` of each leaf, in tree order."""
+        offset = 0
+        for shape, dtype in self.leaves:
+            size = int(np.prod(shape))
+            yield slice(offset, offset + size), shape, dtype
+            offset += size
+
 
 def pack(small: StepBatch) -> np.ndarray:
     """All leaves as one int32 [W] buffer (4-byte dtypes bit-for-bit, bools as 0 / 1)."""
@@ -95,12 +103,8 @@ class WordBuffer:
         self.layout = PackedLayout.of(neutral)
         self._template = pack(neutral)
         self._words = self._template.copy()
-        leaves, offset = [], 0
-        for shape, dtype in self.layout.leaves:
-            size = int(np.prod(shape))
-            seg = self._words[offset:offset + size]
-            offset += size
-            leaves.append((seg if dtype in ("int32", "bool") else seg.view(np.dtype(dtype))).reshape(shape))
+        leaves = [(self._words[where] if dtype in ("int32", "bool") else self._words[where].view(np.dtype(dtype)))
+                  .reshape(shape) for where, shape, dtype in self.layout.segments()]
         self._views: StepBatch = jax.tree.unflatten(self.layout.treedef, leaves)
 
     def reset(self) -> StepBatch:
@@ -113,11 +117,9 @@ class WordBuffer:
 
 def unpack(words: jax.Array, layout: PackedLayout) -> StepBatch:
     """Inverse of ``pack`` inside the jitted step: words [W] int32 -> the small StepBatch."""
-    leaves, offset = [], 0
-    for shape, dtype in layout.leaves:
-        size = int(np.prod(shape))
-        seg = words[offset:offset + size]
-        offset += size
+    leaves = []
+    for where, shape, dtype in layout.segments():
+        seg = words[where]
         if dtype == "bool":
             seg = seg != 0
         elif dtype != "int32":
