@@ -1,17 +1,17 @@
 """The device side of the engine: parameters and cache pools on a mesh, one precompiled step per bucket.
 
-A step (``ModelRunner.execute``) turns a ``SchedulerOutput`` into padded numpy arrays (a ``StepBatch``:
-the packed ``StepInputs`` plus per-row ``SamplingTensors``), written straight into the bucket's one int32 word
-buffer (``step_batch.WordBuffer``), passes a copy of it as one host argument and launches the bucket's
-ahead-of-time compiled executable (steps where every sequence decodes one token take the model's
-``decode_only`` path, see ``buckets.py``): model forward over the paged hybrid cache -> logits of each
-sequence's last row -> grammar bitmask, penalties, sampling and top logprobs (decode buckets also have a
-greedy-only variant that just takes the argmax, picked per step on the host). The cache is donated, so pages and slots update in place.
-``execute`` returns a ``StepHandle`` with the copy of the sampled token ids to the host already queued; only
-token ids (and logprobs when a row asked for them) ever cross to the host. The launch must return before the
-device finishes (that is what lets the engine schedule ahead), so a step contains no ``while`` loop and no
-``lax.cond``: XLA:GPU runs those by reading their predicate on the host unless it can capture the branches in a
-CUDA graph (measured in BENCHMARKS.md; the reference ops do contain loops, the Pallas path does not).
+A step (``ModelRunner.execute``) turns a ``SchedulerOutput`` into padded numpy arrays (a ``StepBatch``: the packed
+``StepInputs`` plus per-row ``SamplingTensors``), written straight into the bucket's one int32 word buffer
+(``step_batch.WordBuffer``), passes a copy of it as one host argument and launches the bucket's ahead-of-time
+compiled executable (steps where every sequence decodes one token take the model's ``decode_only`` path, see
+``buckets.py``): model forward over the paged hybrid cache -> logits of each sequence's last row -> grammar
+bitmask, penalties, sampling and top logprobs (decode buckets also have a greedy-only variant that just takes the
+argmax, picked per step on the host). The cache is donated, so pages and slots update in place. ``execute`` returns
+a ``StepHandle`` with the copy of the sampled token ids to the host already queued; only token ids (and logprobs
+when a row asked for them) ever cross to the host. The launch must return before the device finishes (that is what
+lets the engine schedule ahead), so a step contains no ``while`` loop and no ``lax.cond``: XLA:GPU runs those by
+reading their predicate on the host unless it can capture the branches in a CUDA graph (measured in BENCHMARKS.md;
+the reference ops do contain loops, the Pallas path does not).
 
 Before the forward, the runner applies the scheduler's cache copies (copy-on-write pages, checkpoint
 restores) and, in test mode, fills freed pages and slots with NaN; both are separate small executables
