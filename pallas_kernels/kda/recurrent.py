@@ -136,7 +136,7 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
 def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, state_in_ref,
                     slots_ref, o_ref, state_ref, *, group, width, scale, lower_bound, block_v):
-    seq, value_head, v_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    v_block, value_head, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = state_ref.shape[-2]
     qk_width = (mixed_ref.shape[1] - state_ref.shape[1] * state_ref.shape[-1]) // 2
     head = value_head // group
@@ -176,13 +176,15 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
 
     Same arguments and results as :func:`pallas_kernels.kda.fused_recurrent_kda` (mixed_qkv ``[N, C]``, g_raw
     ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, pools updated in place at ``slots``).
-    Grid ``(N, HV, V / block_v)``: each program updates a ``[K, block_v]`` slice of one state (the delta rule's
+    Grid ``(V / block_v, HV, N)``: each program updates a ``[K, block_v]`` slice of one state (the delta rule's
     V columns are independent) with few warps, like flash-linear-attention's decode kernel, instead of one
-    program holding the whole ``[K, V]`` state. Every program recomputes its head's q/k conv (K values), so no
-    program may overwrite the conv state that others still read: the kernel only reads the conv pool, and
-    the shift of the conv state and the gated RMSNorm (which needs all of V) are done by XLA around it.
-    ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweep's best: 1 below 64 columns, 2 from 64
-    (BENCHMARKS.md, session 4)."""
+    program holding the whole ``[K, V]`` state. The V slices of one state are neighbouring programs (H200 sweep,
+    session 6: 4% faster at H=96 with an fp32 pool, 4-12% with bf16, equal at H=32). Every program recomputes
+    its head's q/k conv (K values), so no program may overwrite the conv state that others still read: the
+    kernel only reads the conv pool, and the shift of the conv state and the gated RMSNorm (which needs all of
+    V) are done by XLA around it.
+    ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweeps' best: 1 below 64 columns, 4 from 64
+    (BENCHMARKS.md, sessions 4 and 6)."""
     num_seqs, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
@@ -197,10 +199,10 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     out_shape = (jax.ShapeDtypeStruct((num_seqs, num_value_heads * value_dim), jnp.float32),
                  jax.ShapeDtypeStruct(state.shape, state.dtype))
     o, state = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(num_seqs, num_value_heads, value_dim // block_v),
+        kernel, out_shape=out_shape, grid=(value_dim // block_v, num_value_heads, num_seqs),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={7: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (2 if block_v >= 64 else 1), num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if block_v >= 64 else 1), num_stages=1),
         interpret=interpret_mode(), name="kda_decode_split_v",
     )(*inputs)
     shape = (num_seqs, num_value_heads, value_dim)
