@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
+from kimi_jax.layers import ffn
 from kimi_jax.layers.ffn import MoEStack, moe
 
 BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kda"), mlp_types=("dense", "moe"),
@@ -17,11 +18,15 @@ BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kd
 
 
 @pytest.mark.parametrize("variant", ["mxfp4_latent", "bf16"])
-def test_moe_pallas_equals_reference(variant, rng):
+@pytest.mark.parametrize("tokens,row_pairs", [(13, 0), (13, 32), (1, 32)])
+def test_moe_pallas_equals_reference(variant, tokens, row_pairs, rng, monkeypatch):
+    """Experts sorted by expert (``row_pairs=0``) or one row tile per (token, expert) pair (decode path; 13 tokens
+    over 4 experts repeat every expert)."""
+    monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", row_pairs)
     extra = dict(latent_dim=32, latent_norm=True, experts_mxfp4=True) if variant == "mxfp4_latent" else {}
     cfg = ModelConfig(**BASE, **extra)
     stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    x = jnp.asarray(rng.standard_normal((13, cfg.hidden_size)), jnp.bfloat16)  # 13 tokens: not a tile multiple
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)  # 13: not a tile multiple
     want = np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32)
     got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
     assert np.isfinite(got).all()

@@ -22,6 +22,11 @@ from pallas_kernels import mxfp4 as gemm_ops
 from pallas_kernels.impl import resolve_impl
 
 E2M1_RMS = 2.93  # RMS of a uniformly random E2M1 code's value, for random MXFP4 init
+ROW_EXPERT_MAX_PAIRS = 32
+"""(token, expert) pairs up to which the Pallas MoE gives each pair its own GEMM row tile instead of sorting
+pairs by expert. Sorting costs about a dozen small kernels per layer (~20 us on the H200 at batch 1); unsorted,
+an expert chosen by several pairs is streamed once per pair, which at 256 experts costs more than that beyond
+~32 pairs (expected repeats grow with pairs / experts)."""
 
 
 class DenseMLPStack(nnx.Module):
@@ -110,23 +115,24 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) ->
     return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, sizes: jax.Array,
-                   impl: str | None) -> list[jax.Array]:
-    """Grouped GEMMs of expert-sorted rows ``xs [M, in]`` with routed expert weights ``names`` (same input
-    width) -> one ``[M, out]`` f32 product each.
+def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, sizes: jax.Array | None,
+                   impl: str | None, row_experts: jax.Array | None = None) -> list[jax.Array]:
+    """Grouped GEMMs of expert-sorted rows ``xs [M, in]`` (``sizes [E]`` rows per expert) with routed expert
+    weights ``names`` (same input width) -> one ``[M, out]`` f32 product each. Pallas only: ``row_experts [M]``
+    instead of ``sizes`` gives each row's expert, rows unsorted.
 
     Pallas: one launch of the W4A16 grouped kernel over the packed MXFP4 bytes of every name (or of the bf16
     grouped kernel); reference: dequantise every expert, then ``lax.ragged_dot`` per name (exact, but XLA
     lowers it densely on GPU)."""
     mxfp4_packed = getattr(p, f"{names[0]}_packed", None) is not None
     if resolve_impl(impl) == "pallas":
+        rows = dict(group_sizes=sizes, row_experts=row_experts, layer=j, impl="pallas")
         if mxfp4_packed:
             both = gemm_ops.mxfp4_grouped_matmul_concat(
-                xs, [(getattr(p, f"{n}_packed"), getattr(p, f"{n}_scale")) for n in names], sizes, layer=j,
-                impl="pallas")
+                xs, [(getattr(p, f"{n}_packed"), getattr(p, f"{n}_scale")) for n in names], **rows)
             widths = [getattr(p, f"{n}_packed").shape[-2] for n in names]
         else:
-            both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], sizes, layer=j, impl="pallas")
+            both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows)
             widths = [getattr(p, n).shape[-1] for n in names]
         return split_columns(both.astype(F32), widths)
     out = []
@@ -142,9 +148,17 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, s
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
                    cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
-    """Sort (token, choice) pairs by expert, run the grouped GLU experts, combine: z [T, Din] -> [T, Din]."""
+    """Sort (token, choice) pairs by expert, run the grouped GLU experts, combine: z [T, Din] -> [T, Din].
+
+    Pallas with at most ``ROW_EXPERT_MAX_PAIRS`` pairs (decode): the pairs stay in (token, choice) order and
+    each row names its expert, so no sort, gather, group count or scatter runs around the expert GEMMs."""
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
+    if t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas":
+        gate, up = _expert_matmul(p, ("w1", "w3"), j, jnp.repeat(z, k, axis=0), None, impl, row_experts=flat)
+        (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(z.dtype), up.astype(z.dtype), cfg), None, impl,
+                               row_experts=flat)
+        return jnp.einsum("tkd,tk->td", ys.reshape(t_rows, k, -1), weights).astype(z.dtype)
     order = jnp.argsort(flat, stable=True)
     xs = z[order // k]
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)

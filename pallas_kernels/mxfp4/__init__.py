@@ -3,7 +3,8 @@
 from pallas_kernels.mxfp4.ops import (grouped_matmul, grouped_matmul_concat, mxfp4_grouped_matmul,
                                       mxfp4_grouped_matmul_concat, mxfp4_matmul)
 from pallas_kernels.mxfp4.reference import (grouped_matmul_reference, mxfp4_grouped_matmul_reference,
-                                            mxfp4_matmul_reference)
+                                            mxfp4_matmul_reference, rows_matmul_reference)
 
 __all__ = ["grouped_matmul", "grouped_matmul_concat", "grouped_matmul_reference", "mxfp4_grouped_matmul",
-           "mxfp4_grouped_matmul_concat", "mxfp4_grouped_matmul_reference", "mxfp4_matmul", "mxfp4_matmul_reference"]
+           "mxfp4_grouped_matmul_concat", "mxfp4_grouped_matmul_reference", "mxfp4_matmul", "mxfp4_matmul_reference",
+           "rows_matmul_reference"]

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.impl import interpret_mode
-from pallas_kernels.mxfp4.tiles import make_tile_schedule
+from pallas_kernels.mxfp4.tiles import make_tile_schedule, row_schedule
 
 MX_BLOCK = 32
 
@@ -134,23 +134,28 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k"))
+                                             "num_stages", "weights_lhs", "split_k", "per_row"))
 def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
                                expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                                block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                               weights_lhs: bool = False, split_k: int = 1) -> jax.Array:
+                               weights_lhs: bool = False, split_k: int = 1, per_row: bool = False) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
-    side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step."""
+    side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
+
+    ``per_row``: ``group_sizes`` is instead ``row_experts [M]`` int32, the expert of each row (rows in any order;
+    ids in ``[0, E')`` after the offset), and every row is its own tile: ``x[m] @ W[row_experts[m]]``. For a
+    few decode rows this needs no sort, gather or scatter around the call; an expert shared by several rows is
+    read once per row."""
     num_rows, dim_k = x.shape
-    num_experts = group_sizes.shape[0]
+    num_experts = matrices[0][0].shape[0] if per_row else group_sizes.shape[0]
     widths = [_output_width(w, weight_format) for w in matrices]
     dim_n = sum(widths)
     if any(n % block_n for n in widths) or dim_k % block_k or (weight_format == "mxfp4" and block_k % MX_BLOCK):
         raise ValueError(f"K={dim_k} / N={widths} must be multiples of block_k={block_k} / block_n={block_n}")
     if split_k < 1 or (dim_k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
-    schedule = make_tile_schedule(group_sizes, num_rows, block_m)
+    schedule = row_schedule(group_sizes) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     offset = jnp.asarray(expert_offset, jnp.int32).reshape(1)
     flat = [a for w in matrices for a in w]

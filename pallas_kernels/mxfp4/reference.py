@@ -22,6 +22,13 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array)
     return jnp.where(rows < jnp.sum(group_sizes), out, 0.0).astype(x.dtype)
 
 
+def rows_matmul_reference(x: jax.Array, w: jax.Array, row_experts: jax.Array) -> jax.Array:
+    """``x [M, K]`` @ ``w [E, K, N]`` row by row: row ``m`` uses expert ``row_experts[m]`` -> ``[M, N]`` in
+    ``x.dtype``."""
+    return jnp.einsum("mk,mkn->mn", x.astype(jnp.float32), w.astype(jnp.float32)[row_experts],
+                      precision=_HIGHEST).astype(x.dtype)
+
+
 def mxfp4_grouped_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array,
                                    group_sizes: jax.Array) -> jax.Array:
     """``x [M, K]`` sorted by expert, ``packed [E, N, K/2]``, ``scales [E, N, K/32]`` -> ``x @ W_e.T`` ``[M, N]``."""

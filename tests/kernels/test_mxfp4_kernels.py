@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax.quant.mxfp4 import E2M1_VALUES
+from kimi_jax.quant.mxfp4 import E2M1_VALUES, dequantize
 from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
                                   mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
                                   mxfp4_matmul, mxfp4_matmul_reference)
@@ -221,3 +221,42 @@ def test_concat_ops_read_the_stacked_layer():
     want = grouped_matmul_concat(x, ws, gs, layer=1, impl="reference")
     assert_rows_close(grouped_matmul_concat(x, ws, gs, layer=1, impl="pallas"), want)
     np.testing.assert_array_equal(want[:, :32], grouped_matmul_reference(x, ws[0][1], gs))
+
+
+@pytest.mark.parametrize("weight_format,split_k", [("mxfp4", 1), ("bf16", 2)])
+def test_per_row_experts_in_any_order(weight_format, split_k):
+    """``row_experts``: each row multiplies its own expert (rows unsorted, experts repeated, layer 1 of a stack
+    whose layer 0 is NaN), as the row-by-row reference does, through the public ops and the kernel."""
+    rng = np.random.default_rng(9)
+    row_experts = jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((7, 64)), jnp.bfloat16)
+    if weight_format == "mxfp4":
+        _, packed, scales, _ = random_problem(45, [1, 1, 1], 7)
+        _, packed2, scales2, _ = random_problem(46, [1, 1, 1], 7, n=32)
+        nan = lambda s: jnp.stack([jnp.full_like(s, 255), s])  # noqa: E731 - E8M0 255 = NaN in layer 0
+        parts = [(jnp.stack([packed, packed]), nan(scales)), (jnp.stack([packed2, packed2]), nan(scales2))]
+        got = mxfp4_grouped_matmul_concat(x, parts, row_experts=row_experts, layer=1, impl="pallas")
+        want = mxfp4_grouped_matmul_concat(x, parts, row_experts=row_experts, layer=1, impl="reference")
+        dense = [jnp.swapaxes(dequantize(p[1], s[1], jnp.float32), 1, 2) for p, s in parts]
+    else:
+        ws = [jnp.asarray(rng.standard_normal((2, 3, 64, n)), jnp.bfloat16).at[0].set(jnp.nan) for n in (32, 16)]
+        got = grouped_matmul_concat(x, ws, row_experts=row_experts, layer=1, impl="pallas")
+        want = grouped_matmul_concat(x, ws, row_experts=row_experts, layer=1, impl="reference")
+        dense = [w[1].astype(jnp.float32) for w in ws]
+        kernel = grouped_gemm_concat_pallas(x, tuple((w[1],) for w in ws), row_experts, weight_format="bf16",
+                                            split_k=split_k, per_row=True, **SMALL_TILES)
+        assert_rows_close(kernel, want)
+    assert got.shape == (7, 48) and np.isfinite(np.asarray(want, np.float32)).all()
+    by_row = np.concatenate([np.stack([np.asarray(x[m], np.float32) @ np.asarray(w[e]) for m, e in
+                                       enumerate(np.asarray(row_experts))]) for w in dense], axis=1)
+    assert_rows_close(want, by_row)
+    assert_rows_close(got, want)
+
+
+def test_exactly_one_row_map():
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    w = jnp.zeros((3, 64, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="exactly one"):
+        grouped_matmul_concat(x, [w], jnp.asarray([2, 0, 0], jnp.int32), row_experts=jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="exactly one"):
+        grouped_matmul_concat(x, [w])
