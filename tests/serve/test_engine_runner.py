@@ -380,3 +380,14 @@ def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoi
     assert run(fresh)["turn"].outputs[0].token_ids == results[True]["turn"]
 
 
+
+
+def test_gpu_compiler_options_are_valid_xla_options():
+    """The options the runner passes to XLA on GPU name real debug options with valid values (XLA rejects a
+    misspelt enum value at compile time, on any backend), so a typo fails here rather than at GPU start-up."""
+    from serve.engine.runner import GPU_COMPILER_OPTIONS
+
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    np.testing.assert_array_equal(lowered.compile(GPU_COMPILER_OPTIONS)(jnp.ones(3)), 2.0)
+    with pytest.raises(Exception, match="not a valid enum value"):
+        lowered.compile({**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "NO_SUCH_MODE"})
