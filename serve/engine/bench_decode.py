@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-prompt-len", type=int, default=0,
                         help="also time the first token of one prompt of this many tokens on an idle engine")
     parser.add_argument("--profile", action="store_true",
-                        help="write a jax.profiler trace of a few decode steps per batch under --out")
+                        help="write jax.profiler traces of a few decode steps per batch under --out: the step "
+                             "relaunched (trace_bN) and the engine loop (trace_engine_bN)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
@@ -159,9 +160,12 @@ def main(argv: list[str] | None = None) -> None:
             calls.append(runner.last_call_seconds)
         wall = (time.perf_counter() - t0) / args.decode_steps
         device = runner.time_step(args.decode_steps)
-        if args.profile:
+        if args.profile:  # the step relaunched back to back, then the engine's own loop
             with jax.profiler.trace(os.path.join(args.out, f"trace_b{batch}"), create_perfetto_trace=True):
                 runner.time_step(3)
+            with jax.profiler.trace(os.path.join(args.out, f"trace_engine_b{batch}"), create_perfetto_trace=True):
+                for _ in range(4):
+                    engine.step()
         context = int(np.mean([r.num_tokens for r in requests]))
         roof = active_bytes(runner, batch, context) / COPY_BANDWIDTH
         serial = float(np.mean([t.update + t.schedule + t.launch for t in timings]))
