@@ -19,6 +19,11 @@ from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
 from kimi_jax.step import HybridCache, StepInputs, token_layout
 from pallas_kernels.attnres import attnres_mix
+from pallas_kernels.rmsnorm import add_rms_norm
+
+NORM_KERNEL_MAX_ROWS = 256
+"""Steps of up to this many tokens run each residual add + RMSNorm as one op of ``impl`` (the Pallas kernel on
+GPU: one launch instead of XLA's three); larger steps (prefill) keep XLA's fusion."""
 
 
 class AttnResParams(nnx.Module):
@@ -128,12 +133,18 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             partial = partial + f.astype(F32)
         rows = step.logits_indices
         final = mix([b[rows] for b in blocks], partial[rows], ar.out_query, ar.out_norm)
-    else:
+        hidden = rms_norm(final.astype(dtype), model.norm, cfg.rms_norm_eps)
+    else:  # each residual add and the norm after it in one op (one kernel at decode sizes)
+        norm_impl = impl if x.shape[0] <= NORM_KERNEL_MAX_ROWS else "reference"
+
+        def add_norm(x, delta, weight):
+            return add_rms_norm(x, delta, weight, eps=cfg.rms_norm_eps, impl=norm_impl)
+
+        x, h = add_norm(x, None, model.input_norm[0])
         for i in range(cfg.num_layers):
-            x = x + attention(i, rms_norm(x, model.input_norm[i], cfg.rms_norm_eps))
-            x = x + ffn(i, rms_norm(x, model.post_attn_norm[i], cfg.rms_norm_eps))
-        final = x[step.logits_indices]
-    hidden = rms_norm(final.astype(dtype), model.norm, cfg.rms_norm_eps)
+            x, h = add_norm(x, attention(i, h), model.post_attn_norm[i])
+            x, h = add_norm(x, ffn(i, h), model.input_norm[i + 1] if i + 1 < cfg.num_layers else model.norm[...])
+        hidden = h[step.logits_indices]
     return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
 
 

@@ -1,0 +1,26 @@
+"""Residual add + RMSNorm (the step between sublayers) with reference / Pallas implementations."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.impl import resolve_impl
+from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference"]
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, eps: float,
+                 impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """``x, delta [T, D]``, ``weight [D]`` -> ``(x + delta, rms_norm(x + delta) * weight)``, both in ``x.dtype``
+    (the sum rounded first, statistics in float32; ``delta=None`` normalises ``x`` alone).
+
+    ``impl``: ``None | "reference" | "pallas"`` (one kernel instead of XLA's three: the decode step's case)."""
+    if x.ndim != 2 or (delta is not None and delta.shape != x.shape) or weight.shape != x.shape[-1:]:
+        raise ValueError(f"x [T, D], delta like x, weight [D]; got x {x.shape}, "
+                         f"delta {None if delta is None else delta.shape}, weight {weight.shape}")
+    if resolve_impl(impl) == "pallas":
+        from pallas_kernels.rmsnorm.kernel import add_rms_norm_pallas
+
+        return add_rms_norm_pallas(x, delta, weight, eps=eps)
+    return add_rms_norm_reference(x, delta, weight, eps)
