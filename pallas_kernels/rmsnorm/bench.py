@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bench_timing import copy_bandwidth, kernel_times
+from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us
 from pallas_kernels.rmsnorm.kernel import add_rms_norm_pallas
 from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
 
@@ -23,15 +22,10 @@ EPS = 1e-5
 REPEATS = 20
 
 
-def device_time(fn, args) -> tuple[float, float]:
-    """(device seconds, kernel launches) per call of the jitted ``fn``."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            for _ in range(REPEATS):
-                jax.block_until_ready(fn(*args))
-        total, count, _ = kernel_times(folder)
-    return sum(total.values()) * 1e-6 / REPEATS, sum(count.values()) / REPEATS
+def device_time(fn, args) -> tuple[float, int]:
+    """(device seconds, distinct kernels) per call of the jitted ``fn``."""
+    split = kernel_split_us(fn, args, repeats=REPEATS)
+    return sum(split.values()) * 1e-6, len(split)
 
 
 def main():
