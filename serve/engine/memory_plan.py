@@ -101,7 +101,8 @@ def plan_pools(memory_budget_bytes: int, dims: CacheDims, *, block_size: int, ma
     Slots are sized first: 1 reserved + up to ``max_num_seqs`` live + ``num_checkpoint_slots`` spare. The
     pages must hold at least one full-length request (ceil((max_model_len - 1) / block_size) pages + the
     reserved one); when the budget cannot also hold every slot, checkpoint slots are dropped first, then live
-    slots, and ``max_concurrent_requests`` says so. The rest of the budget becomes pages.
+    slots, and ``max_concurrent_requests`` says so. The rest of the budget becomes pages (a model without MLA
+    layers, whose pages hold nothing, gets enough page ids for every live sequence at full length).
     Raises ValueError when not even one full-length request fits.
     """
     if block_size < 1 or max_num_seqs < 1 or max_model_len < 2 or num_checkpoint_slots < 0:
@@ -119,8 +120,11 @@ def plan_pools(memory_budget_bytes: int, dims: CacheDims, *, block_size: int, ma
                          f"{per_slot} B)")
     num_slots = min(1 + max_num_seqs + num_checkpoint_slots, slots_affordable)
     live_slots = min(max_num_seqs, num_slots - 1)
-    num_blocks = (memory_budget_bytes - num_slots * per_slot) // per_block
     pages_per_full_request = math.ceil((max_model_len - 1) / block_size)
+    if per_block:
+        num_blocks = (memory_budget_bytes - num_slots * per_slot) // per_block
+    else:  # no MLA layer: pages hold no bytes, so every live sequence gets a full-length block table
+        num_blocks = 1 + max_num_seqs * pages_per_full_request
     return PoolPlan(
         block_size=block_size, num_blocks=num_blocks, num_slots=num_slots, bytes_per_block=per_block,
         bytes_per_slot=per_slot, total_bytes=num_blocks * per_block + num_slots * per_slot,

@@ -50,3 +50,18 @@ def test_tight_budget_drops_checkpoint_slots_then_live_slots_and_says_so():
     assert plan.num_blocks == min_pages and plan.max_concurrent_full_length_requests == 1
     with pytest.raises(ValueError, match="cannot hold one request"):
         plan_pools(min_pages * per_block + per_slot, dims, block_size=16, max_num_seqs=8, max_model_len=512)
+
+
+def test_models_without_one_cache_kind_plan_without_dividing_by_zero():
+    """A model with no MLA layer (pages of 0 bytes) or no KDA layer (slots of 0 bytes) still gets a plan: the
+    budget goes to the other pool, and a page-less model gets a full-length block table per live sequence."""
+    tiny = get_preset("tiny")
+    kda_only = CacheDims.from_model_config(tiny.replace(num_layers=1, layer_types=("kda",), mlp_types=("dense",)))
+    assert kda_only.bytes_per_block(16) == 0 and kda_only.bytes_per_slot > 0
+    plan = plan_pools(10 * kda_only.bytes_per_slot, kda_only, block_size=16, max_num_seqs=4, max_model_len=100)
+    assert plan.num_slots == 1 + 4 and plan.num_blocks == 1 + 4 * math.ceil(99 / 16)
+    assert plan.max_concurrent_requests == plan.max_concurrent_full_length_requests == 4
+    mla_only = CacheDims.from_model_config(tiny.replace(num_layers=1, layer_types=("mla",), mlp_types=("dense",)))
+    assert mla_only.bytes_per_slot == 0
+    plan = plan_pools(50 * mla_only.bytes_per_block(16), mla_only, block_size=16, max_num_seqs=4, max_model_len=100)
+    assert plan.num_blocks == 50 and plan.max_concurrent_requests == 4

@@ -1,0 +1,44 @@
+"""Models with only one cache kind (no MLA layer: no page bytes; no KDA layer: no slot bytes) plan their pools
+and serve greedy outputs equal to ``KimiLM.generate``, with pools free afterwards. (A KDA-only model used to
+stop the memory planner with a ZeroDivisionError.)"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_jax.api import KimiLM
+from kimi_jax.config import ModelConfig
+from kimi_jax.model import KimiModel
+from serve.engine import EngineConfig, SamplingParams
+from serve.engine.engine import LLMEngine
+from serve.engine.runner import ModelRunner
+
+BASE = dict(vocab_size=512, hidden_size=32, num_layers=2, mlp_types=("dense", "dense"), kda_num_heads=2,
+            kda_num_v_heads=2, kda_head_dim=16, kda_v_head_dim=16, kda_gate_lower_bound=-5.0, mla_num_heads=2,
+            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+            intermediate_size=64, bos_token_id=500, eos_token_id=501, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("layer_types", [("kda", "kda"), ("mla", "mla")])
+def test_one_cache_kind_serves_like_the_reference(layer_types):
+    lm = KimiLM(KimiModel(ModelConfig(**BASE, layer_types=layer_types), dtype=jnp.float32, rngs=nnx.Rngs(0)),
+                impl="reference")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (5, 11)]
+    want = [out[len(p):] for p, out in zip(prompts, lm.generate(prompts, max_new_tokens=6, stop_token_ids=[]))]
+    runner = ModelRunner(lm, EngineConfig(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
+                                          token_buckets=(16,), seq_buckets=(2,), memory_budget_bytes=1 << 20,
+                                          compile_threads=2))
+    engine = LLMEngine(runner, config=EngineConfig(block_size=4))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    cache = engine.scheduler.cache
+    cache.clear_prefix_cache()
+    assert cache.blocks.num_free == cache.blocks.num_usable and cache.slots.num_free == cache.slots.num_usable
