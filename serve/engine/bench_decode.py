@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time the first token of one prompt of this many tokens on an idle engine")
     parser.add_argument("--profile", action="store_true",
                         help="write jax.profiler traces of a few decode steps per batch under --out: the step "
-                             "relaunched (trace_bN) and the engine loop (trace_engine_bN)")
+                             "relaunched (trace_bN) and the engine loop (trace_engine_bN); and the step's "
+                             "optimised HLO (step_hlo_bN.txt)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
             with jax.profiler.trace(os.path.join(args.out, f"trace_engine_b{batch}"), create_perfetto_trace=True):
                 for _ in range(4):
                     engine.step()
+            with open(os.path.join(args.out, f"step_hlo_b{batch}.txt"), "w") as f:  # names the trace's kernels
+                f.write(runner._last_launch[0].as_text())
         context = int(np.mean([r.num_tokens for r in requests]))
         roof = active_bytes(runner, batch, context) / COPY_BANDWIDTH
         serial = float(np.mean([t.update + t.schedule + t.launch for t in timings]))
