@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kimi_jax.api import KimiLM
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
+from pallas_kernels.greedy import greedy
 from pallas_kernels.impl import resolve_impl
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
@@ -110,7 +111,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     logits = compute_logits(model, hidden)  # [N, vocab] f32
     rows = logits.shape[0]
     if greedy_only:
-        sampled = _greedy(logits)
+        sampled = _greedy(logits, impl)
         top = (jnp.zeros((rows, num_top_logprobs), jnp.int32), jnp.zeros((rows, num_top_logprobs), jnp.float32))
         sampled = SampledTokens(sampled.token_ids, sampled.logprobs, *top)
     else:
@@ -125,10 +126,10 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     return sampled, tokens, cache
 
 
-def _greedy(logits: jax.Array) -> SampledTokens:
-    """What ``sample`` returns when every row is greedy (argmax and its log-probability), without the sort."""
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+def _greedy(logits: jax.Array, impl: str | None) -> SampledTokens:
+    """What ``sample`` returns when every row is greedy (argmax and its log-probability), without the sort; one
+    Pallas kernel under ``impl="pallas"`` instead of XLA's six reductions over the vocabulary."""
+    tokens, logprobs = greedy(logits, impl=impl)
     empty = jnp.zeros((logits.shape[0], 0))
     return SampledTokens(tokens, logprobs, empty.astype(jnp.int32), empty.astype(jnp.float32))
 
