@@ -77,3 +77,23 @@ def kernel_split_us(fn, args, repeats: int = 3) -> dict[str, float]:
                 jax.block_until_ready(fn(*args))
         total, _, _ = kernel_times(folder)
     return {name: us / repeats for name, us in total.most_common(8)}
+
+
+def device_seconds_and_kernels(fn, args, repeats: int = 20) -> tuple[float, int]:
+    """(device seconds, distinct kernels) per call of ``fn(*args)``, from :func:`kernel_split_us` (at most its 8
+    busiest kernels: small ops, where the launch count matters as much as the time)."""
+    split = kernel_split_us(fn, args, repeats)
+    return sum(split.values()) * 1e-6, len(split)
+
+
+def new_result() -> dict:
+    """A bench's result record: the device and the copy bandwidth measured now (printed), and no cases yet."""
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    return dict(device=str(jax.devices()[0].device_kind), copy_bandwidth_Bps=bandwidth, cases=[])
+
+
+def save_json(result: dict, filename: str) -> None:
+    """Write a bench's results to ``$OUT/filename`` (the current folder without ``$OUT``)."""
+    with open(os.path.join(os.environ.get("OUT", "."), filename), "w") as f:
+        json.dump(result, f, indent=1)

@@ -8,13 +8,10 @@ read + written (x, delta in; sum, normed out) at the copy bandwidth measured her
 
 from __future__ import annotations
 
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us
+from pallas_kernels.bench_timing import device_seconds_and_kernels, new_result, save_json
 from pallas_kernels.rmsnorm.kernel import add_rms_norm_pallas
 from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
 
@@ -22,16 +19,9 @@ EPS = 1e-5
 REPEATS = 20
 
 
-def device_time(fn, args) -> tuple[float, int]:
-    """(device seconds, distinct kernels) per call of the jitted ``fn``."""
-    split = kernel_split_us(fn, args, repeats=REPEATS)
-    return sum(split.values()) * 1e-6, len(split)
-
-
 def main():
-    bandwidth = copy_bandwidth()
-    result = dict(device=str(jax.devices()[0].device_kind), copy_bandwidth_Bps=bandwidth, cases=[])
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    result = new_result()
+    bandwidth = result["copy_bandwidth_Bps"]
     print(f"{'T':>6}{'D':>6} {'xla us':>8}{'n':>4} {'pallas us':>10}{'n':>4} {'roofline us':>12} {'max diff':>9}")
     for rows in (1, 16, 64, 256, 2048):
         for dim in (2304, 7168):
@@ -42,14 +32,14 @@ def main():
             ours = jax.jit(lambda x, d, w: add_rms_norm_pallas(x, d, w, eps=EPS))
             diff = float(jnp.max(jnp.abs(xla(x, delta, weight)[1].astype(jnp.float32)
                                          - ours(x, delta, weight)[1].astype(jnp.float32))))
-            (xla_s, xla_n), (ours_s, ours_n) = (device_time(f, (x, delta, weight)) for f in (xla, ours))
+            (xla_s, xla_n), (ours_s, ours_n) = (device_seconds_and_kernels(f, (x, delta, weight), REPEATS)
+                                                  for f in (xla, ours))
             case = dict(rows=rows, dim=dim, xla_s=xla_s, xla_kernels=xla_n, pallas_s=ours_s, pallas_kernels=ours_n,
                         roofline_s=4 * x.nbytes / bandwidth, max_abs_diff=diff)
             result["cases"].append(case)
             print(f"{rows:>6}{dim:>6} {xla_s * 1e6:8.2f}{xla_n:4.0f} {ours_s * 1e6:10.2f}{ours_n:4.0f} "
                   f"{case['roofline_s'] * 1e6:12.2f} {diff:9.1e}", flush=True)
-            with open(os.path.join(os.environ.get("OUT", "."), "rmsnorm_bench.json"), "w") as f:
-                json.dump(result, f, indent=1)
+            save_json(result, "rmsnorm_bench.json")
 
 
 if __name__ == "__main__":
