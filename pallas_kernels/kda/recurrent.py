@@ -135,7 +135,7 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
 
 def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, state_in_ref,
-                    slots_ref, o_ref, state_ref, *, group, width, scale, lower_bound, block_v):
+                    slots_ref, o_ref, state_ref, shifted_ref, *, group, width, scale, lower_bound, block_v):
     v_block, value_head, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = state_ref.shape[-2]
     qk_width = (mixed_ref.shape[1] - state_ref.shape[1] * state_ref.shape[-1]) // 2
@@ -153,10 +153,25 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
                   * conv_state_ref[slot, j, pl.ds(offset, size)].astype(jnp.float32))
         return c * jax.nn.sigmoid(c)
 
+    def shift(offset, size):
+        """These channels of the sequence's next conv state: the W-2 newest cached inputs, then the new one."""
+        chans = pl.ds(offset, size)
+        for j in range(width - 2):
+            shifted_ref[seq, j, chans] = conv_state_ref[slot, j + 1, chans]
+        shifted_ref[seq, width - 2, chans] = mixed_ref[seq, chans].astype(shifted_ref.dtype)
+
     q = _l2norm(conv_silu(head * head_dim, head_dim)) * scale
     k = _l2norm(conv_silu(qk_width + head * head_dim, head_dim))
     v_col = value_head * state_ref.shape[-1] + v_block * block_v
     v = conv_silu(2 * qk_width + v_col, block_v)
+    if width > 1:
+        shift(2 * qk_width + v_col, block_v)  # every program owns its V columns; one program per head its q / k
+
+        @pl.when((v_block == 0) & (value_head % group == 0))
+        def _():
+            shift(head * head_dim, head_dim)
+            shift(qk_width + head * head_dim, head_dim)
+
     decay_scale = jnp.exp(a_log_ref[value_head].astype(jnp.float32))
     g = jnp.exp(gate_from_logits(g_ref[seq, pl.ds(value_head * head_dim, head_dim)].astype(jnp.float32)
                                  + dt_bias_ref[value_head, :].astype(jnp.float32), decay_scale, lower_bound))
@@ -181,8 +196,9 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     program holding the whole ``[K, V]`` state. The V slices of one state are neighbouring programs (H200 sweep,
     session 6: 4% faster at H=96 with an fp32 pool, 4-12% with bf16, equal at H=32). Every program recomputes
     its head's q/k conv (K values), so no program may overwrite the conv state that others still read: the
-    kernel only reads the conv pool, and the shift of the conv state and the gated RMSNorm (which needs all of
-    V) are done by XLA around it.
+    programs write each sequence's next conv rows to a separate ``[N, W-1, C]`` output (every program its V
+    columns, the first program of a head its q / k channels), which one XLA scatter puts into the pool; the
+    gated RMSNorm (which needs all of V) follows in XLA.
     ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweeps' best: 1 below 64 columns, 4 from 64
     (BENCHMARKS.md, sessions 4 and 6)."""
     num_seqs, channels = mixed_qkv.shape
@@ -197,8 +213,9 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
               dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim), state, slots.astype(jnp.int32))
     out_shape = (jax.ShapeDtypeStruct((num_seqs, num_value_heads * value_dim), jnp.float32),
-                 jax.ShapeDtypeStruct(state.shape, state.dtype))
-    o, state = pl.pallas_call(
+                 jax.ShapeDtypeStruct(state.shape, state.dtype),
+                 jax.ShapeDtypeStruct((num_seqs,) + conv_state.shape[1:], conv_state.dtype))
+    o, state, shifted = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(value_dim // block_v, num_value_heads, num_seqs),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={7: 1},
@@ -207,6 +224,5 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     )(*inputs)
     shape = (num_seqs, num_value_heads, value_dim)
     y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight, eps)
-    shifted = jnp.concatenate([conv_state[slots, 1:], mixed_qkv[:, None].astype(conv_state.dtype)], axis=1)
     conv_state = conv_state.at[slots].set(shifted)
     return y.reshape(num_seqs, -1).astype(mixed_qkv.dtype), conv_state, state
