@@ -115,11 +115,11 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) ->
     return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
-def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, sizes: jax.Array | None,
-                   impl: str | None, row_experts: jax.Array | None = None) -> list[jax.Array]:
-    """Grouped GEMMs of expert-sorted rows ``xs [M, in]`` (``sizes [E]`` rows per expert) with routed expert
-    weights ``names`` (same input width) -> one ``[M, out]`` f32 product each. Pallas only: ``row_experts [M]``
-    instead of ``sizes`` gives each row's expert, rows unsorted.
+def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, impl: str | None, *,
+                   sizes: jax.Array | None = None, row_experts: jax.Array | None = None) -> list[jax.Array]:
+    """Grouped GEMMs of rows ``xs [M, in]`` with routed expert weights ``names`` (same input width) -> one
+    ``[M, out]`` f32 product each. Rows are sorted by expert with ``sizes [E]`` rows per expert, or (Pallas
+    only) unsorted with ``row_experts [M]`` naming each row's expert.
 
     Pallas: one launch of the W4A16 grouped kernel over the packed MXFP4 bytes of every name (or of the bf16
     grouped kernel); reference: dequantise every expert, then ``lax.ragged_dot`` per name (exact, but XLA
@@ -154,20 +154,16 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     each row names its expert, so no sort, gather, group count or scatter runs around the expert GEMMs."""
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
-    if t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas":
-        gate, up = _expert_matmul(p, ("w1", "w3"), j, jnp.repeat(z, k, axis=0), None, impl, row_experts=flat)
-        (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(z.dtype), up.astype(z.dtype), cfg), None, impl,
-                               row_experts=flat)
-        return jnp.einsum("tkd,tk->td", ys.reshape(t_rows, k, -1), weights).astype(z.dtype)
-    order = jnp.argsort(flat, stable=True)
-    xs = z[order // k]
-    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     dtype = z.dtype
-    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, sizes, impl)
-    act = glu(gate.astype(dtype), up.astype(dtype), cfg)
-    (ys,) = _expert_matmul(p, ("w2",), j, act, sizes, impl)
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(t_rows, k, -1)
-    return jnp.einsum("tkd,tk->td", y, weights).astype(dtype)
+    if t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas":
+        order, xs, rows = None, jnp.repeat(z, k, axis=0), dict(row_experts=flat)
+    else:
+        order = jnp.argsort(flat, stable=True)
+        xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows)
+    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows)
+    y = ys if order is None else jnp.zeros_like(ys).at[order].set(ys)  # back to (token, choice) order
+    return jnp.einsum("tkd,tk->td", y.reshape(t_rows, k, -1), weights).astype(dtype)
 
 
 def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
