@@ -137,13 +137,14 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     else:  # each residual add and the norm after it in one op (one kernel at decode sizes)
         norm_impl = impl if x.shape[0] <= NORM_KERNEL_MAX_ROWS else "reference"
 
-        def add_norm(x, delta, weight):
-            return add_rms_norm(x, delta, weight, eps=cfg.rms_norm_eps, impl=norm_impl)
+        def add_norm(x, delta, weight, layer=None):  # the stacked norms' rows are read in place (no slice copy)
+            return add_rms_norm(x, delta, weight, eps=cfg.rms_norm_eps, layer=layer, impl=norm_impl)
 
-        x, h = add_norm(x, None, model.input_norm[0])
+        x, h = add_norm(x, None, model.input_norm[...], 0)
         for i in range(cfg.num_layers):
-            x, h = add_norm(x, attention(i, h), model.post_attn_norm[i])
-            x, h = add_norm(x, ffn(i, h), model.input_norm[i + 1] if i + 1 < cfg.num_layers else model.norm[...])
+            x, h = add_norm(x, attention(i, h), model.post_attn_norm[...], i)
+            last = i + 1 == cfg.num_layers
+            x, h = add_norm(x, ffn(i, h), *((model.norm[...], None) if last else (model.input_norm[...], i + 1)))
         hidden = h[step.logits_indices]
     return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
 

@@ -107,7 +107,8 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
 def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                         gate_logits, o_norm_weight, *, lower_bound=None, scale=None, eps: float = 1e-5,
-                        block_v: int | None = None, split_v: int | None = None, impl=None):
+                        block_v: int | None = None, split_v: int | None = None, layer: int | None = None,
+                        impl=None):
     """One decode token per sequence, pools updated in place at ``slots``.
 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
@@ -115,6 +116,8 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     ``split_v`` (Pallas): spread each state over ``V / split_v`` programs of ``[K, split_v]`` slices
     (``recurrent.fused_recurrent_kda_split_v_pallas``; the conv shift and gated RMSNorm then run in XLA)
     instead of one program per (sequence, head) doing everything.
+    ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks (leading axis L) and row
+    ``layer`` is used; the split-V kernel reads it in place (a slice handed to a Pallas call is copied first).
 
     Returns:
       ``(y [N, HV*V], conv_state [S, W-1, C], state [S, HV, K, V])``.
@@ -124,7 +127,10 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
 
         return fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log,
                                                   dt_bias, state, slots, gate_logits, o_norm_weight,
-                                                  lower_bound=lower_bound, scale=scale, eps=eps, block_v=split_v)
+                                                  lower_bound=lower_bound, scale=scale, eps=eps, block_v=split_v,
+                                                  layer=layer)
+    if layer is not None:
+        conv_weight, A_log, dt_bias, o_norm_weight = (a[layer] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
     y, conv_state, state = fused_recurrent_kda_verify(
         mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias, state,
         slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale, eps=eps,

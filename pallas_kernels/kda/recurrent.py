@@ -135,7 +135,7 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
 
 def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, state_in_ref,
-                    slots_ref, o_ref, state_ref, shifted_ref, *, group, width, scale, lower_bound, block_v):
+                    slots_ref, o_ref, state_ref, shifted_ref, *, group, width, scale, lower_bound, block_v, layer):
     v_block, value_head, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = state_ref.shape[-2]
     qk_width = (mixed_ref.shape[1] - state_ref.shape[1] * state_ref.shape[-1]) // 2
@@ -146,10 +146,10 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
 
     def conv_silu(offset, size):
         """Causal conv of the W-1 cached inputs + the new one, then SiLU: fp32 ``[size]``."""
-        c = (conv_w_ref[pl.ds(offset, size), width - 1].astype(jnp.float32)
+        c = (conv_w_ref[layer, pl.ds(offset, size), width - 1].astype(jnp.float32)
              * mixed_ref[seq, pl.ds(offset, size)].astype(jnp.float32))
         for j in range(width - 1):
-            c += (conv_w_ref[pl.ds(offset, size), j].astype(jnp.float32)
+            c += (conv_w_ref[layer, pl.ds(offset, size), j].astype(jnp.float32)
                   * conv_state_ref[slot, j, pl.ds(offset, size)].astype(jnp.float32))
         return c * jax.nn.sigmoid(c)
 
@@ -172,9 +172,9 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
             shift(head * head_dim, head_dim)
             shift(qk_width + head * head_dim, head_dim)
 
-    decay_scale = jnp.exp(a_log_ref[value_head].astype(jnp.float32))
+    decay_scale = jnp.exp(a_log_ref[layer, value_head].astype(jnp.float32))
     g = jnp.exp(gate_from_logits(g_ref[seq, pl.ds(value_head * head_dim, head_dim)].astype(jnp.float32)
-                                 + dt_bias_ref[value_head, :].astype(jnp.float32), decay_scale, lower_bound))
+                                 + dt_bias_ref[layer, value_head, :].astype(jnp.float32), decay_scale, lower_bound))
     beta = jax.nn.sigmoid(beta_ref[seq, value_head].astype(jnp.float32))
     state = state.astype(jnp.float32) * g[:, None]
     error = v - jnp.sum(state * k[:, None], axis=0)
@@ -185,7 +185,7 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
 
 def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
                                        slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                                       eps: float = 1e-5, block_v: int = 64,
+                                       eps: float = 1e-5, block_v: int = 64, layer: int | None = None,
                                        num_warps: int | None = None):
     """Decode step (one token per sequence) with the state split over programs along V.
 
@@ -199,19 +199,23 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     programs write each sequence's next conv rows to a separate ``[N, W-1, C]`` output (every program its V
     columns, the first program of a head its q / k channels), which one XLA scatter puts into the pool; the
     gated RMSNorm (which needs all of V) follows in XLA.
-    ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweeps' best: 1 below 64 columns, 4 from 64
-    (BENCHMARKS.md, sessions 4 and 6)."""
+    ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks; the kernel reads row ``layer``
+    of the first three in place, where a sliced operand would cost an XLA copy (a memcpy node of the step's CUDA
+    graph) per call. ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweeps' best: 1 below 64
+    columns, 4 from 64 (BENCHMARKS.md, sessions 4 and 6)."""
     num_seqs, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
+    if layer is None:
+        conv_weight, A_log, dt_bias, o_norm_weight = (a[None] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
     block_v = min(block_v, value_dim)
     if value_dim % block_v:
         raise ValueError(f"block_v={block_v} must divide V={value_dim}")
     kernel = functools.partial(
-        _split_v_kernel, group=num_value_heads // num_heads, width=conv_weight.shape[1],
+        _split_v_kernel, group=num_value_heads // num_heads, width=conv_weight.shape[2], layer=layer or 0,
         scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound, block_v=block_v)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
-              dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim), state, slots.astype(jnp.int32))
+              dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), state, slots.astype(jnp.int32))
     out_shape = (jax.ShapeDtypeStruct((num_seqs, num_value_heads * value_dim), jnp.float32),
                  jax.ShapeDtypeStruct(state.shape, state.dtype),
                  jax.ShapeDtypeStruct((num_seqs,) + conv_state.shape[1:], conv_state.dtype))
@@ -223,6 +227,6 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
         interpret=interpret_mode(), name="kda_decode_split_v",
     )(*inputs)
     shape = (num_seqs, num_value_heads, value_dim)
-    y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight, eps)
+    y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight[layer or 0], eps)
     conv_state = conv_state.at[slots].set(shifted)
     return y.reshape(num_seqs, -1).astype(mixed_qkv.dtype), conv_state, state

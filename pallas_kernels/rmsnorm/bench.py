@@ -29,7 +29,7 @@ def main():
             x, delta = (jax.random.normal(k, (rows, dim), jnp.bfloat16) for k in keys[:2])
             weight = jax.random.uniform(keys[2], (dim,), jnp.float32, 0.5, 1.5)
             xla = jax.jit(lambda x, d, w: add_rms_norm_reference(x, d, w, EPS))
-            ours = jax.jit(lambda x, d, w: add_rms_norm_pallas(x, d, w, eps=EPS))
+            ours = jax.jit(lambda x, d, w: add_rms_norm_pallas(x, d, w[None], eps=EPS))
             diff = float(jnp.max(jnp.abs(xla(x, delta, weight)[1].astype(jnp.float32)
                                          - ours(x, delta, weight)[1].astype(jnp.float32))))
             (xla_s, xla_n), (ours_s, ours_n) = (device_seconds_and_kernels(f, (x, delta, weight), REPEATS)

@@ -19,7 +19,8 @@ from tests.kernels.helpers import assert_close
 from .test_kda_reference import naive_recurrent_kda
 
 chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "lower_bound", "impl"))
-fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda, static_argnames=("lower_bound", "scale", "eps", "split_v", "impl"))
+fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda,
+                              static_argnames=("lower_bound", "scale", "eps", "split_v", "layer", "impl"))
 fused_recurrent_kda_verify = jax.jit(kda.fused_recurrent_kda_verify,
                                      static_argnames=("lower_bound", "scale", "eps", "impl"))
 
@@ -155,3 +156,19 @@ def test_split_v_decode_fp32_softplus_gate_matches_reference():
         assert_close(a, b, FP32_TOL, name)
     with pytest.raises(ValueError, match="block_v=5"):
         fused_recurrent_kda(**x, split_v=5, impl="pallas")
+
+
+@pytest.mark.parametrize("split_v", [None, 8])
+def test_decode_reads_layer_row_of_stacked_weights(split_v):
+    """``layer=1`` with 3-layer stacks of conv_weight, A_log, dt_bias and o_norm_weight (the model's stacked
+    parameters, read in place by the split-V kernel) equals passing layer 1's rows alone."""
+    x = recurrent_inputs(7, 1, jnp.float32)
+    x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
+    per_layer = ("conv_weight", "A_log", "dt_bias", "o_norm_weight")
+    rng = np.random.default_rng(8)
+    stacked = {n: jnp.stack([jnp.asarray(rng.permutation(np.asarray(x[n]).ravel()).reshape(x[n].shape)), x[n],
+                             -x[n]]) for n in per_layer}
+    ours = fused_recurrent_kda(**{**x, **stacked}, layer=1, split_v=split_v, impl="pallas")
+    ref = fused_recurrent_kda(**x, impl="reference")
+    for name, a, b in zip(("y", "conv_state", "state"), ours, ref):
+        assert_close(a, b, FP32_TOL, name)

@@ -40,9 +40,25 @@ def test_add_rms_norm(dtype, rows, dim, with_delta, rng):
     assert np.abs(np.asarray(ref, np.float64) - np.asarray(ker, np.float64)).max() <= tol * np.abs(want_y).max()
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_stacked_weight_row(layer, rng):
+    """A ``[L, D]`` weight stack with a static ``layer`` equals passing that row alone, on both paths."""
+    x, delta = (jnp.asarray(rng.standard_normal((3, 40)), jnp.float32) for _ in range(2))
+    stack = jnp.asarray(rng.uniform(0.5, 1.5, (3, 40)), jnp.float32)
+    want_s, want_y = float64_expected(x, delta, stack[layer])
+    for impl in ("reference", "pallas"):
+        s, y = add_rms_norm(x, delta, stack, eps=EPS, layer=layer, impl=impl)
+        np.testing.assert_array_equal(np.asarray(s, np.float64), want_s)
+        np.testing.assert_allclose(np.asarray(y, np.float64), want_y, rtol=1e-5, atol=1e-6)
+
+
 def test_shapes_are_checked():
     x = jnp.zeros((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(x, jnp.zeros((2, 4)), jnp.ones(8), eps=EPS)
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(x, None, jnp.ones(4), eps=EPS)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, None, jnp.ones((2, 8)), eps=EPS)  # a stack needs a layer
+    with pytest.raises(ValueError, match="layer=2"):
+        add_rms_norm(x, None, jnp.ones((2, 8)), eps=EPS, layer=2)
