@@ -123,11 +123,11 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
     f_low, beta_logits, *g_low = stacked_linears(x, (p.f_a, p.b_proj) + (() if full_rank else (p.g_a,)), j,
                                                  impl=impl)
     qkv = jnp.concatenate([q_lin, k_lin, v_lin], axis=-1)
-    g_raw = proj(f_low, p.f_b).astype(F32).reshape(t_rows, hv, k)
-    beta_logits = beta_logits.astype(F32)  # [T, HV]
+    g_raw = proj(f_low, p.f_b).reshape(t_rows, hv, k)  # x.dtype; the ops compute the gate in fp32
     gate = g_full[0] if full_rank else proj(g_low[0], p.g_b)
-    if step.decode_only:
+    if step.decode_only:  # the decode kernel casts in its loads: no separate convert kernel per layer
         return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, step, cfg, impl)
+    g_raw, beta_logits = g_raw.astype(F32), beta_logits.astype(F32)  # [T, HV, K], [T, HV]
 
     fresh = (step.context_lens == 0)
     old_conv = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots])  # [N, W-1, C]
