@@ -1,7 +1,8 @@
 """The MoE layer through the Pallas grouped GEMMs (interpret mode on CPU) equals its reference path.
 
 Both paths decode the same MXFP4 bytes exactly; the kernel feeds bf16 operands to its dot with fp32
-accumulation, so with bf16 activations the tolerance is bf16 rounding of the expert outputs (2e-2 relative)."""
+accumulation, so with bf16 activations the tolerance is bf16 rounding of the expert outputs (2e-2 relative).
+Both paths route the same way: the router kernels' fp32 logits differ from XLA's only in summation order."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ from kimi_jax.layers import ffn
 from kimi_jax.layers.ffn import MoEStack, moe
 
 BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kda"), mlp_types=("dense", "moe"),
-            num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+            num_experts=16, num_experts_per_token=4, moe_intermediate_size=32, num_shared_experts=1,
             hidden_act="situ")
 
 
@@ -21,7 +22,7 @@ BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kd
 @pytest.mark.parametrize("tokens,row_pairs", [(13, 0), (13, 32), (1, 32)])
 def test_moe_pallas_equals_reference(variant, tokens, row_pairs, rng, monkeypatch):
     """Experts sorted by expert (``row_pairs=0``) or one row tile per (token, expert) pair (decode path; 13 tokens
-    over 4 experts repeat every expert)."""
+    x 4 choices over 16 experts repeat experts). 16 experts: the Pallas path also routes with the router kernels."""
     monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", row_pairs)
     extra = dict(latent_dim=32, latent_norm=True, experts_mxfp4=True) if variant == "mxfp4_latent" else {}
     cfg = ModelConfig(**BASE, **extra)

@@ -19,6 +19,7 @@ from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal
                                     stacked_linear, stacked_linears)
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
+from pallas_kernels import router as router_ops
 from pallas_kernels.impl import resolve_impl
 
 E2M1_RMS = 2.93  # RMS of a uniformly random E2M1 code's value, for random MXFP4 init
@@ -96,25 +97,6 @@ class MoEStack(nnx.Module):
             self.shared_down = fan_in_normal(rngs, (n, fs, d), dtype)
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """x [T, D] -> (weights [T, k] f32, expert ids [T, k] int32)."""
-    logits = jnp.einsum("td,de->te", x.astype(F32), router.astype(F32), precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + bias.astype(F32)
-    if cfg.num_expert_group > 1:
-        t_rows, e = choice.shape
-        grouped = choice.reshape(t_rows, cfg.num_expert_group, e // cfg.num_expert_group)
-        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
-        keep = jax.lax.top_k(group_score, cfg.topk_group)[1]
-        group_mask = jnp.zeros_like(group_score, bool).at[jnp.arange(t_rows)[:, None], keep].set(True)
-        choice = jnp.where(jnp.repeat(group_mask, e // cfg.num_expert_group, axis=1), choice, -jnp.inf)
-    idx = jax.lax.top_k(choice, cfg.num_experts_per_token)[1]
-    weights = jnp.take_along_axis(scores, idx, axis=1)
-    if cfg.moe_renormalize:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
-
-
 def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, impl: str | None, *,
                    sizes: jax.Array | None = None, row_experts: jax.Array | None = None) -> list[jax.Array]:
     """Grouped GEMMs of rows ``xs [M, in]`` with routed expert weights ``names`` (same input width) -> one
@@ -168,7 +150,10 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
 
 def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
     """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D]."""
-    weights, idx = route(x, p.router[j], p.router_bias[j], cfg)
+    weights, idx = router_ops.route(
+        x, p.router[...], p.router_bias[...], k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
+        scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,
+        layer=j, impl=impl)
     z = stacked_linear(x, p.latent_down, j, impl=impl) if cfg.latent_dim is not None else x
     y = routed_experts(p, j, z, weights, idx, cfg, impl=impl)
     if cfg.latent_dim is not None:

@@ -1,0 +1,45 @@
+"""MoE routing (router logits, sigmoid, biased top-k, renormalisation) with reference / Pallas implementations."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.impl import resolve_impl
+from pallas_kernels.router.reference import route_reference
+
+__all__ = ["route", "route_reference", "KERNEL_MAX_ROWS"]
+
+KERNEL_MAX_ROWS = 64
+"""Token rows up to which ``impl="pallas"`` routes with the two Pallas kernels (decode steps); larger steps keep
+XLA's GEMM for the logits."""
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, *, k: int, renormalize: bool = True,
+          scaling: float = 1.0, num_expert_group: int = 1, topk_group: int = 1, layer: int | None = None,
+          impl: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """``x [T, D]``, ``router [D, E]``, ``bias [E]`` -> ``(weights [T, k] f32, expert ids [T, k] int32)``.
+
+    ``layer``: ``router [L, D, E]`` and ``bias [L, E]`` are per-layer stacks and row ``layer`` is used (the
+    kernels read it in place; a slice handed to a Pallas call would be copied first).
+    ``impl``: ``None | "reference" | "pallas"``. The Pallas path (two kernels instead of XLA's seven at decode:
+    the fp32 logits split over experts and D, then sigmoid + bias + top-k + renormalisation per row) serves
+    ``T <= KERNEL_MAX_ROWS``, ungrouped routing, ``E`` and ``D`` multiples of 16, ``k <= E``; anything else runs
+    the reference."""
+    stacked = (router, bias) if layer is not None else (router[None], bias[None])
+    if x.ndim != 2 or stacked[0].ndim != 3 or stacked[0].shape[1] != x.shape[1] or stacked[1].shape != (
+            stacked[0].shape[0], stacked[0].shape[2]):
+        raise ValueError(f"x [T, D], router [D, E] and bias [E] (stacked [L, D, E], [L, E] with layer); got x "
+                         f"{x.shape}, router {router.shape}, bias {bias.shape}")
+    num_layers, dim, experts = stacked[0].shape
+    row = 0 if layer is None else int(layer)
+    if not 0 <= row < num_layers:
+        raise ValueError(f"layer={layer} outside the router stack's {num_layers} layers")
+    if not 1 <= k <= experts:
+        raise ValueError(f"k={k} must be in [1, E={experts}]")
+    kernel_ok = (x.shape[0] <= KERNEL_MAX_ROWS and num_expert_group == 1 and experts % 16 == 0 and dim % 16 == 0)
+    if resolve_impl(impl) == "pallas" and kernel_ok:
+        from pallas_kernels.router.kernel import route_pallas
+
+        return route_pallas(x, *stacked, layer=row, k=k, renormalize=renormalize, scaling=float(scaling))
+    return route_reference(x, stacked[0][row], stacked[1][row], k=k, renormalize=renormalize, scaling=scaling,
+                           num_expert_group=num_expert_group, topk_group=topk_group)
