@@ -1,0 +1,73 @@
+"""The decode step's Pallas kernels lower to Triton for CUDA on this CPU-only machine (``jax.export`` with
+``platforms=["cuda"]``), at the Kimi-Linear-48B and K3 shapes the engine uses.
+
+Interpret-mode tests check what a kernel computes, not that it lowers: a construct the Triton lowering rejects
+would only show on the GPU. This runs the real Pallas -> Triton IR lowering (the step the GPU machine repeats
+before compiling the IR to PTX), with the GPU description XLA would give for an H200. It uses JAX internals
+(``jax._src.pallas.triton``), so it pins to the jax version in pyproject.toml."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from pallas_kernels.greedy import kernel as greedy_kernel
+from pallas_kernels.kda import recurrent as kda_recurrent
+from pallas_kernels.mxfp4 import kernel as gemm_kernel
+from pallas_kernels.rmsnorm import kernel as rmsnorm_kernel
+from pallas_kernels.router import kernel as router_kernel
+
+S = jax.ShapeDtypeStruct
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
+    for module in (greedy_kernel, kda_recurrent, gemm_kernel, rmsnorm_kernel, router_kernel):
+        monkeypatch.setattr(module, "interpret_mode", lambda: False)
+    jax.clear_caches()  # no trace cached in interpret mode may be reused
+    yield
+    jax.clear_caches()
+
+
+def kda_decode(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, slots, gate, o_norm):
+    return kda_recurrent.fused_recurrent_kda_split_v_pallas(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state,
+                                                            slots, gate, o_norm, lower_bound=None, layer=1)
+
+
+def grouped_gemm(x, w1, w3, row_experts):
+    return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
+                                                  per_row=True, block_m=16, block_n=64, block_k=128,
+                                                  weights_lhs=True, num_stages=4)
+
+
+CASES = {
+    "add_rms_norm": (functools.partial(rmsnorm_kernel.add_rms_norm_pallas, eps=1e-6, layer=3),
+                     [S((1, 2304), jnp.bfloat16), S((1, 2304), jnp.bfloat16), S((4, 2304), jnp.float32)]),
+    "greedy": (greedy_kernel.greedy_pallas, [S((16, 163840), jnp.float32)]),
+    "router_kimi_linear": (functools.partial(router_kernel.route_pallas, layer=2, k=8, renormalize=True,
+                                             scaling=2.446),
+                           [S((1, 2304), jnp.bfloat16), S((3, 2304, 256), jnp.float32), S((3, 256), jnp.float32)]),
+    "router_k3": (functools.partial(router_kernel.route_pallas, layer=0, k=16, renormalize=True, scaling=1.0),
+                  [S((64, 7168), jnp.bfloat16), S((1, 7168, 896), jnp.float32), S((1, 896), jnp.float32)]),
+    "kda_decode": (kda_decode, [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32),
+                                S((9, 3, 12288), jnp.float32), S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16),
+                                S((3, 32), jnp.float32), S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32),
+                                S((2,), jnp.int32), S((2, 4096), jnp.bfloat16), S((3, 128), jnp.float32)]),
+    "grouped_gemm_per_row": (grouped_gemm, [S((8, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
+                                            S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_lowers_to_triton_for_cuda(case, cuda_lowering):
+    fn, args = CASES[case]
+    exported = export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    assert TRITON_CALL in exported.mlir_module()
