@@ -138,7 +138,7 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     flat = idx.reshape(-1)
     dtype = z.dtype
     if t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas":
-        order, xs, rows = None, jnp.repeat(z, k, axis=0), dict(row_experts=flat)
+        order, xs, rows = None, z, dict(row_experts=flat)  # the kernel reads token t's row for its k pairs
     else:
         order = jnp.argsort(flat, stable=True)
         xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))

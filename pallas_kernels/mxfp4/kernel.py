@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.impl import interpret_mode
-from pallas_kernels.mxfp4.tiles import make_tile_schedule, row_schedule
+from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
 MX_BLOCK = 32
 
@@ -50,16 +50,23 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs, split_k, part_tiles):
+                    weights_lhs, split_k, part_tiles, x_repeat):
     *w_refs, o_ref = refs
     per_part = len(w_refs) // len(part_tiles)  # arrays per weight matrix: 1 (bf16) or 2 (packed + scales)
     t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
+    if x_repeat:  # per row: sched_ref is row_experts [M]; tile t is output row t, from x row t // x_repeat
+        group, first_row, end_row = sched_ref[t], t, t + 1
+        x_rows = pl.ds(t // x_repeat, block_m)
+        x_mask = jnp.arange(block_m) < 1
+    else:
+        group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
     expert = group + offset_ref[0]  # row of the weight arrays
     rows = pl.ds(first_row, block_m)
     # split_k > 1: fp32 partial sums [M, split_k * N], part ``split`` in columns [split * N, (split + 1) * N)
     out_cols = pl.ds(pl.multiple_of((split * (o_ref.shape[1] // split_k)) + j * block_n, block_n), block_n)
     row_mask = (first_row + jnp.arange(block_m)) < end_row
+    if not x_repeat:
+        x_rows, x_mask = rows, row_mask
     num_k = x_ref.shape[1] // block_k // split_k  # K steps of this program, from ``split * num_k``
 
     def weight_tile(part_refs, cols, k):  # bf16 [block_n, block_k]
@@ -80,8 +87,8 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
         def body(k, acc):
-            x = pltriton.load(x_ref.at[rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
-                              mask=row_mask[:, None], other=0.0)
+            x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
+                              mask=x_mask[:, None], other=0.0)
             if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
                 return acc + jnp.dot(weight_tile(part_refs, cols, k), x.T, preferred_element_type=jnp.float32)
             return acc + jnp.dot(x, weight_tile(part_refs, cols, k).T, preferred_element_type=jnp.float32)
@@ -143,11 +150,16 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
     side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
 
-    ``per_row``: ``group_sizes`` is instead ``row_experts [M]`` int32, the expert of each row (rows in any order;
-    ids in ``[0, E')`` after the offset), and every row is its own tile: ``x[m] @ W[row_experts[m]]``. For a
-    few decode rows this needs no sort, gather or scatter around the call; an expert shared by several rows is
-    read once per row."""
-    num_rows, dim_k = x.shape
+    ``per_row``: ``group_sizes`` is instead ``row_experts [M]`` int32, the expert of each output row (rows in any
+    order; ids in ``[0, E')`` after the offset), and every row is its own tile: ``x[m // r] @ W[row_experts[m]]``
+    with ``r = M / x.shape[0]`` (x's rows each used by r consecutive output rows, as ``jnp.repeat(x, r, 0)``
+    would give, without materialising it: the (token, choice) pairs of a decode step). For a few decode rows
+    this needs no sort, gather or scatter around the call; an expert shared by several rows is read once per
+    row."""
+    dim_k = x.shape[1]
+    num_rows = group_sizes.shape[0] if per_row else x.shape[0]
+    if per_row and num_rows % x.shape[0]:
+        raise ValueError(f"row_experts has {num_rows} rows, not a multiple of x's {x.shape[0]}")
     num_experts = matrices[0][0].shape[0] if per_row else group_sizes.shape[0]
     widths = [_output_width(w, weight_format) for w in matrices]
     dim_n = sum(widths)
@@ -155,19 +167,20 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         raise ValueError(f"K={dim_k} / N={widths} must be multiples of block_k={block_k} / block_n={block_n}")
     if split_k < 1 or (dim_k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
-    schedule = row_schedule(group_sizes) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)
+    schedule = group_sizes.astype(jnp.int32) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     offset = jnp.asarray(expert_offset, jnp.int32).reshape(1)
     flat = [a for w in matrices for a in w]
     kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs,
-                               split_k=split_k, part_tiles=tuple(n // block_n for n in widths))
+                               split_k=split_k, part_tiles=tuple(n // block_n for n in widths),
+                               x_repeat=num_rows // x.shape[0] if per_row else 0)
     out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
         (num_rows, split_k * dim_n), jnp.float32)
     result = pl.pallas_call(
         kernel,
         out_shape=out,
-        grid=(schedule.shape[1], dim_n // block_n, split_k),
+        grid=(schedule.shape[-1], dim_n // block_n, split_k),
         in_specs=[whole(schedule), whole(offset), whole(x), *(whole(a) for a in flat)],
         out_specs=whole(out),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -79,27 +79,35 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     """:func:`mxfp4_grouped_matmul` against several ``(packed, scales)`` matrices of the same K (e.g. the gate
     and up projections): their products side by side, ``[M, sum N_i]``, from one kernel launch.
 
-    Instead of ``group_sizes`` (rows sorted by expert), ``row_experts [M]`` int32 may name each row's expert
-    (rows in any order, each row its own tile; for a few decode rows, see :func:`grouped_matmul_concat`)."""
-    groups, per_row = _groups(group_sizes, row_experts)
+    Instead of ``group_sizes`` (rows sorted by expert), ``row_experts [M]`` int32 may name each output row's
+    expert (rows in any order, each row its own tile, x's rows each used by ``M / len(x)`` consecutive output
+    rows; for a few decode rows, see :func:`grouped_matmul_concat`)."""
+    groups, per_row = _groups(group_sizes, row_experts, x)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        product = rows_matmul_reference if per_row else grouped_matmul_reference
+        product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         return jnp.concatenate([product(x, jnp.swapaxes(dequantize(pick(p), pick(s), jnp.float32), 1, 2), groups)
                                 for p, s in matrices], axis=-1)
     flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
     matrices = tuple(zip(flat[0::2], flat[1::2]))
     widths = tuple(p.shape[1] for p, _ in matrices)
-    cfg = tile_config(x.shape[0], x.shape[0] if per_row else groups.shape[0], sum(widths), x.shape[1], "mxfp4",
-                      widths)
+    rows = groups.shape[0] if per_row else x.shape[0]
+    cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), x.shape[1], "mxfp4", widths)
     return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format="mxfp4", per_row=per_row, **cfg)
 
 
-def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None) -> tuple[jax.Array, bool]:
+def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None, x: jax.Array) -> tuple[jax.Array, bool]:
     """Exactly one of the two row-to-expert maps -> (it, whether it is per row)."""
     if (group_sizes is None) == (row_experts is None):
         raise ValueError("pass exactly one of group_sizes and row_experts")
+    if row_experts is not None and row_experts.shape[0] % x.shape[0]:
+        raise ValueError(f"row_experts has {row_experts.shape[0]} rows, not a multiple of x's {x.shape[0]}")
     return (group_sizes, False) if row_experts is None else (row_experts, True)
+
+
+def _repeat_rows(x: jax.Array, row_experts: jax.Array) -> jax.Array:
+    """x's rows each repeated for ``len(row_experts) / len(x)`` consecutive output rows."""
+    return jnp.repeat(x, row_experts.shape[0] // x.shape[0], axis=0)
 
 
 def mxfp4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *, impl: str | None = None) -> jax.Array:
@@ -134,19 +142,21 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     """:func:`grouped_matmul` against several weights of the same K and leading shape: ``[M, sum N_i]``, the
     products side by side, from one kernel launch (Pallas).
 
-    Instead of ``group_sizes`` (rows sorted by expert), ``row_experts [M]`` int32 may name each row's expert:
-    rows in any order, ``x[m] @ w[row_experts[m]]``, each row its own tile. At decode (a few (token, expert)
-    pairs) this saves the sort, gather, group counting and scatter around the call; an expert named by several
-    rows is read once per row, so it suits only a few rows."""
-    groups, per_row = _groups(group_sizes, row_experts)
+    Instead of ``group_sizes`` (rows sorted by expert), ``row_experts [M]`` int32 may name each output row's
+    expert: rows in any order, ``x[m // r] @ w[row_experts[m]]`` with ``r = M / len(x)`` (each x row feeds r
+    consecutive output rows, e.g. a token's k expert choices, without materialising the repeat), each row its
+    own tile. At decode (a few (token, expert) pairs) this saves the sort, gather, group counting and scatter
+    around the call; an expert named by several rows is read once per row, so it suits only a few rows."""
+    groups, per_row = _groups(group_sizes, row_experts, x)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        product = rows_matmul_reference if per_row else grouped_matmul_reference
+        product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         return jnp.concatenate([product(x, jnp.swapaxes(pick(w), 1, 2) if transpose_rhs else pick(w), groups)
                                 for w in ws], axis=-1)
     ws, offset = _flatten_layers(layer, *ws)
     widths = tuple(w.shape[1] if transpose_rhs else w.shape[2] for w in ws)
     dim_k = ws[0].shape[2] if transpose_rhs else ws[0].shape[1]
-    cfg = tile_config(x.shape[0], x.shape[0] if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
+    rows = groups.shape[0] if per_row else x.shape[0]
+    cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
     return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), groups, offset,
                                       weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row, **cfg)

@@ -36,9 +36,3 @@ def make_tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> j
     first_row = starts[group] + (tile - (tile_ends[group] - tiles_per_group[group])) * block_m
     valid = tile < tile_ends[-1]
     return jnp.stack([jnp.where(valid, group, -1), first_row, ends[group]]).astype(jnp.int32)
-
-
-def row_schedule(row_experts: jax.Array) -> jax.Array:
-    """``row_experts [M]`` -> int32 ``[3, M]``: one tile per row (its expert, the row, the row + 1)."""
-    rows = jnp.arange(row_experts.shape[0], dtype=jnp.int32)
-    return jnp.stack([row_experts.astype(jnp.int32), rows, rows + 1])

@@ -253,6 +253,30 @@ def test_per_row_experts_in_any_order(weight_format, split_k):
     assert_rows_close(got, want)
 
 
+@pytest.mark.parametrize("weight_format", ["mxfp4", "bf16"])
+def test_per_row_experts_share_x_rows(weight_format):
+    """3 tokens x 3 choices: ``row_experts [9]`` with ``x [3, K]``; output row m uses token m // 3, as the
+    explicitly repeated x does (the decode MoE path, which no longer materialises the repeat)."""
+    rng = np.random.default_rng(11)
+    row_experts = jnp.asarray([2, 0, 1, 1, 2, 0, 0, 0, 2], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    repeated = jnp.repeat(x, 3, axis=0)
+    _, packed, scales, _ = random_problem(47, [1, 1, 1], 7)
+    ws = [jnp.asarray(rng.standard_normal((1, 3, 64, 32)), jnp.bfloat16)]
+
+    def run(x, impl):
+        if weight_format == "mxfp4":
+            return mxfp4_grouped_matmul_concat(x, [(packed[None], scales[None])], row_experts=row_experts, layer=0,
+                                               impl=impl)
+        return grouped_matmul_concat(x, ws, row_experts=row_experts, layer=0, impl=impl)
+
+    want = run(repeated, "reference")
+    assert_rows_close(run(x, "reference"), want)
+    assert_rows_close(run(x, "pallas"), want)
+    with pytest.raises(ValueError, match="not a multiple"):
+        run(x[:2], "pallas")
+
+
 def test_exactly_one_row_map():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     w = jnp.zeros((3, 64, 16), jnp.bfloat16)
