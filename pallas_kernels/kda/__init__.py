@@ -73,7 +73,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
 
 def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                               eps: float = 1e-5, block_v: int | None = None, impl=None):
+                               eps: float = 1e-5, block_v: int | None = None, layer: int | None = None, impl=None):
     """KDA step for ``Tq <= 8`` tokens per sequence; states after token t land in slot ``out_slots[n, t]``.
 
     Args:
@@ -88,6 +88,8 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
       gate_logits: ``[N, Tq, HV*V]`` output-gate logits; o_norm_weight: ``[V]``; eps: RMSNorm epsilon.
       scale: q scale, default ``K**-0.5``.
       block_v: Pallas tuning, the width of the state slices a program walks (default V; see recurrent.py).
+      layer: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks (leading axis L) and row ``layer``
+        is used; the Pallas kernels read it in place (a slice handed to a Pallas call is copied first).
       impl: ``None | "reference" | "pallas"``.
 
     Returns:
@@ -96,13 +98,17 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     """
     if mixed_qkv.shape[1] > MAX_VERIFY_TOKENS:
         raise ValueError(f"at most {MAX_VERIFY_TOKENS} tokens per sequence, got {mixed_qkv.shape[1]}")
-    args = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots, out_slots,
-            gate_logits, o_norm_weight)
     if resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.recurrent import fused_recurrent_kda_pallas
 
-        return fused_recurrent_kda_pallas(*args, lower_bound=lower_bound, scale=scale, eps=eps, block_v=block_v)
-    return fused_recurrent_kda_reference(*args, lower_bound=lower_bound, scale=scale, eps=eps)
+        return fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias,
+                                          state, slots, out_slots, gate_logits, o_norm_weight, lower_bound=lower_bound,
+                                          scale=scale, eps=eps, block_v=block_v, layer=layer)
+    if layer is not None:
+        conv_weight, A_log, dt_bias, o_norm_weight = (a[layer] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
+    return fused_recurrent_kda_reference(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
+                                         slots, out_slots, gate_logits, o_norm_weight, lower_bound=lower_bound,
+                                         scale=scale, eps=eps)
 
 
 def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
@@ -116,8 +122,7 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     ``split_v`` (Pallas): spread each state over ``V / split_v`` programs of ``[K, split_v]`` slices
     (``recurrent.fused_recurrent_kda_split_v_pallas``; the conv shift and gated RMSNorm then run in XLA)
     instead of one program per (sequence, head) doing everything.
-    ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks (leading axis L) and row
-    ``layer`` is used; the split-V kernel reads it in place (a slice handed to a Pallas call is copied first).
+    ``layer``: as in :func:`fused_recurrent_kda_verify`.
 
     Returns:
       ``(y [N, HV*V], conv_state [S, W-1, C], state [S, HV, K, V])``.
@@ -129,10 +134,8 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
                                                   dt_bias, state, slots, gate_logits, o_norm_weight,
                                                   lower_bound=lower_bound, scale=scale, eps=eps, block_v=split_v,
                                                   layer=layer)
-    if layer is not None:
-        conv_weight, A_log, dt_bias, o_norm_weight = (a[layer] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
     y, conv_state, state = fused_recurrent_kda_verify(
         mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias, state,
         slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale, eps=eps,
-        block_v=block_v, impl=impl)
+        block_v=block_v, layer=layer, impl=impl)
     return y[:, 0], conv_state, state

@@ -30,7 +30,8 @@ def _l2norm(x):
 
 def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                       state_in_ref, slots_ref, out_slots_ref, gate_ref, norm_w_ref, y_ref, conv_state_ref, state_ref,
-                      *, num_heads, group, width, num_tokens, scale, lower_bound, eps, use_barrier, block_v):
+                      *, num_heads, group, width, num_tokens, scale, lower_bound, eps, use_barrier, block_v,
+                      layer):
     seq, head = pl.program_id(0), pl.program_id(1)
     head_dim, value_dim = state_ref.shape[-2:]
     slot = slots_ref[seq]
@@ -40,7 +41,7 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
         """The W-1 cached pre-conv inputs then the Tq new ones, each fp32 ``[size]``, and the W taps."""
         rows = [conv_state_in_ref[slot, j, pl.ds(offset, size)].astype(jnp.float32) for j in range(width - 1)]
         rows += [mixed_ref[seq, t, pl.ds(offset, size)].astype(jnp.float32) for t in range(num_tokens)]
-        taps = [conv_w_ref[pl.ds(offset, size), j].astype(jnp.float32) for j in range(width)]
+        taps = [conv_w_ref[layer, pl.ds(offset, size), j].astype(jnp.float32) for j in range(width)]
         return rows, taps
 
     def conv_silu(rows, taps, t):
@@ -55,8 +56,8 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
     conv_writes = [(head * head_dim, q_rows), (qk_width + head * head_dim, k_rows)]
     for i in range(group):
         hv = head * group + i
-        decay_scale = jnp.exp(a_log_ref[hv].astype(jnp.float32))
-        dt_bias = dt_bias_ref[hv, :].astype(jnp.float32)
+        decay_scale = jnp.exp(a_log_ref[layer, hv].astype(jnp.float32))
+        dt_bias = dt_bias_ref[layer, hv, :].astype(jnp.float32)
         gs = [jnp.exp(gate_from_logits(g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias,
                                        decay_scale, lower_bound))[:, None] for t in range(num_tokens)]
         betas = [jax.nn.sigmoid(beta_ref[seq, t, hv].astype(jnp.float32)) for t in range(num_tokens)]
@@ -82,7 +83,7 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
             for v0, o in zip(range(0, value_dim, block_v), outs[t]):
                 cols = pl.ds(hv * value_dim + v0, block_v)
                 gate = jax.nn.sigmoid(gate_ref[seq, t, cols].astype(jnp.float32))
-                norm_w = norm_w_ref[pl.ds(v0, block_v)].astype(jnp.float32)
+                norm_w = norm_w_ref[layer, pl.ds(v0, block_v)].astype(jnp.float32)
                 y_ref[seq, t, cols] = (o * inv_rms * norm_w * gate).astype(y_ref.dtype)
 
     if use_barrier:  # every thread has read the old conv rows before any is overwritten (in-place decode)
@@ -102,14 +103,19 @@ def _full(shape):
 
 def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                               eps: float = 1e-5, num_warps: int = 8, block_v: int | None = None):
+                               eps: float = 1e-5, num_warps: int = 8, block_v: int | None = None,
+                               layer: int | None = None):
     """Pallas version of :func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` (same arguments
     and returns; K and V powers of 2). The pools are updated in place when donated. ``block_v`` (a power of 2
     dividing V; default V) walks the ``[K, V]`` state in ``[K, block_v]`` slices, so a program holds a quarter
-    of it in registers at ``block_v = V / 4`` (the state columns are independent in the delta rule)."""
+    of it in registers at ``block_v = V / 4`` (the state columns are independent in the delta rule).
+    ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks read at row ``layer`` in place
+    (see :func:`fused_recurrent_kda_split_v_pallas`)."""
     num_seqs, num_tokens, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
-    width = conv_weight.shape[1]
+    if layer is None:
+        conv_weight, A_log, dt_bias, o_norm_weight = (a[None] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
+    width = conv_weight.shape[2]
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
     interpret = interpret_mode()
     block_v = value_dim if block_v is None else block_v
@@ -118,9 +124,9 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     kernel = functools.partial(
         _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, width=width,
         num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
-        eps=eps, use_barrier=not interpret, block_v=block_v)
+        eps=eps, use_barrier=not interpret, block_v=block_v, layer=layer or 0)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
-              dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim), state, slots.astype(jnp.int32),
+              dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), state, slots.astype(jnp.int32),
               out_slots.astype(jnp.int32), gate_logits, o_norm_weight)
     out_shape = (jax.ShapeDtypeStruct((num_seqs, num_tokens, num_value_heads * value_dim), mixed_qkv.dtype),
                  jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),

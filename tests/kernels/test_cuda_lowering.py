@@ -41,12 +41,22 @@ def kda_decode(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, slots, g
                                                             slots, gate, o_norm, lower_bound=None, layer=1)
 
 
+def kda_decode_fused(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, slots, gate, o_norm):
+    return kda_recurrent.fused_recurrent_kda_pallas(mixed[:, None], conv_w, conv, g_raw[:, None], beta[:, None], a_log,
+                                                    dt_bias, state, slots, slots[:, None], gate[:, None], o_norm,
+                                                    lower_bound=-5.0, layer=2)
+
+
 def grouped_gemm(x, w1, w3, row_experts):
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
                                                   per_row=True, block_m=16, block_n=64, block_k=128,
                                                   weights_lhs=True, num_stages=4)
 
 
+KDA_DECODE_ARGS = [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32), S((9, 3, 12288), jnp.float32),
+                   S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16), S((3, 32), jnp.float32),
+                   S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32), S((2,), jnp.int32),
+                   S((2, 4096), jnp.bfloat16), S((3, 128), jnp.float32)]  # Kimi-Linear: H=32, K=V=128, 3 layers
 CASES = {
     "add_rms_norm": (functools.partial(rmsnorm_kernel.add_rms_norm_pallas, eps=1e-6, layer=3),
                      [S((1, 2304), jnp.bfloat16), S((1, 2304), jnp.bfloat16), S((4, 2304), jnp.float32)]),
@@ -56,10 +66,8 @@ CASES = {
                            [S((1, 2304), jnp.bfloat16), S((3, 2304, 256), jnp.float32), S((3, 256), jnp.float32)]),
     "router_k3": (functools.partial(router_kernel.route_pallas, layer=0, k=16, renormalize=True, scaling=1.0),
                   [S((64, 7168), jnp.bfloat16), S((1, 7168, 896), jnp.float32), S((1, 896), jnp.float32)]),
-    "kda_decode": (kda_decode, [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32),
-                                S((9, 3, 12288), jnp.float32), S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16),
-                                S((3, 32), jnp.float32), S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32),
-                                S((2,), jnp.int32), S((2, 4096), jnp.bfloat16), S((3, 128), jnp.float32)]),
+    "kda_decode": (kda_decode, KDA_DECODE_ARGS),
+    "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
 }

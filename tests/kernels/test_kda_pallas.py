@@ -22,7 +22,7 @@ chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "l
 fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda,
                               static_argnames=("lower_bound", "scale", "eps", "split_v", "layer", "impl"))
 fused_recurrent_kda_verify = jax.jit(kda.fused_recurrent_kda_verify,
-                                     static_argnames=("lower_bound", "scale", "eps", "impl"))
+                                     static_argnames=("lower_bound", "scale", "eps", "layer", "impl"))
 
 FP32_TOL, BF16_TOL = 1e-4, 2e-2
 CU = np.array([0, 0, 1, 70, 70, 101, 130], np.int32)  # empty, one token, 69 (> C=64), empty, 31, 29; 3 padding
