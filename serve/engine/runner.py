@@ -17,7 +17,8 @@ Before the forward, the runner applies the scheduler's cache copies (copy-on-wri
 restores) and, in test mode, fills freed pages and slots with NaN; both are separate small executables
 dispatched only when there is work for them.
 
-Every executable is compiled at warm-up (``warm_up``); calling a compiled executable never traces or
+Every executable is compiled at warm-up (``warm_up``), and every step is run once there on an all-padding
+batch so that a step the device cannot run fails at start-up; calling a compiled executable never traces or
 compiles, and ``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
 
 Placement: parameters, caches and step inputs carry ``NamedSharding``s of ``mesh`` (one device by default,
@@ -316,7 +317,28 @@ class ModelRunner:
         self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
         if self.on_gpu:
             self._check_step_memory()
+        self._run_each_step_once()
         self.warm_up_seconds = time.perf_counter() - start
+
+    def _run_each_step_once(self) -> None:
+        """Run every compiled step once on its all-padding batch, which reads and writes only the reserved entry
+        0 of each pool. A step that cannot run (out of device memory: its temporaries, or a buffer XLA adds that
+        the memory analysis does not show; BENCHMARKS.md session 7) then fails at start-up with its bucket named,
+        not at the first request that needs it. On GPU this also records each step's CUDA graph before serving."""
+        for key, step in self._steps.items():
+            tokens, seqs, pages, decode_only, greedy_only = key
+            self._buffers[key[:4]].reset()
+            optional = tuple(self._neutral_sampling(seqs)[name] for name in OPTIONAL_SAMPLING)
+            try:
+                sampled, _, self.cache = step(self.params, self.cache, self._buffers[key[:4]].take(), optional,
+                                              self._tokens)
+                jax.block_until_ready((sampled, self.cache))
+            except jax.errors.JaxRuntimeError as err:
+                kind = "decode" + (" (greedy)" if greedy_only else "") if decode_only else "mixed"
+                raise RuntimeError(
+                    f"the {kind} step of bucket T={tokens}, N={seqs}, pages={pages} cannot run on "
+                    f"{self.mesh.devices.flat[0].device_kind}: {err}. Lower max_num_batched_tokens or max_num_seqs, "
+                    f"or leave more device memory (memory_budget_bytes, gpu_memory_utilization)") from err
 
     def _check_step_memory(self) -> None:
         """Fail at start-up, not mid-serving, when a step's temporaries do not fit beside weights and pools."""

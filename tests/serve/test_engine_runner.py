@@ -382,6 +382,27 @@ def test_async_scheduling_equals_synchronous_with_stops_seeds_and_final_checkpoi
 
 
 
+def test_a_step_that_cannot_run_fails_at_start_up_naming_its_bucket(monkeypatch, reference):
+    """Warm-up runs every step once on its all-padding batch; a step the device cannot run (here a stand-in
+    raising XLA's out-of-memory error) stops the start-up with its bucket and what to change, and the engine still
+    serves afterwards (the padding run wrote only the reserved entry 0 of each pool)."""
+    runner = shared_runner()
+    key = next(k for k in runner._steps if k[3] and k[4])  # the greedy decode step
+
+    def out_of_memory(*args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 29.25GiB")
+
+    monkeypatch.setitem(runner._steps, key, out_of_memory)
+    with pytest.raises(RuntimeError, match=r"decode \(greedy\) step of bucket T=8, N=8, pages=16 cannot run.*"
+                                           r"RESOURCE_EXHAUSTED.*max_num_batched_tokens"):
+        runner._run_each_step_once()
+    monkeypatch.undo()
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64)
+    add_all(engine, ["a", "f"])
+    done = run(engine)
+    assert {n: done[n].outputs[0].token_ids for n in ("a", "f")} == {n: reference[n] for n in ("a", "f")}
+
+
 def test_gpu_compiler_options_are_valid_xla_options():
     """The options the runner passes to XLA on GPU name real debug options with valid values (XLA rejects a
     misspelt enum value at compile time, on any backend), so a typo fails here rather than at GPU start-up."""
