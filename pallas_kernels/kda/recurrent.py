@@ -189,6 +189,34 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
     o_ref[seq, pl.ds(pl.multiple_of(v_col, block_v), block_v)] = jnp.sum(state * q[:, None], axis=0)
 
 
+def _pow2_pieces(size: int) -> list[tuple[int, int]]:
+    """``size`` as consecutive power-of-two pieces ``[(offset, width)]`` (Triton blocks are powers of two)."""
+    pieces, offset = [], 0
+    for bit in reversed(range(size.bit_length())):
+        if size >> bit & 1:
+            pieces.append((offset, 1 << bit))
+            offset += 1 << bit
+    return pieces
+
+
+def _split_v_epilogue_kernel(o_ref, gate_ref, norm_w_ref, shifted_ref, slots_ref, conv_in_ref, y_ref, conv_ref, *,
+                             layer, eps, chunk):
+    """Program (sequence, value head): the head's gated RMSNorm, and this program's ``chunk`` channels of the
+    sequence's next conv rows written into the pool at its slot (in place; the pool is aliased)."""
+    del conv_in_ref  # the same buffer as conv_ref
+    seq, value_head = pl.program_id(0), pl.program_id(1)
+    value_dim = norm_w_ref.shape[1]
+    cols = pl.ds(pl.multiple_of(value_head * value_dim, value_dim), value_dim)
+    o = o_ref[seq, cols].astype(jnp.float32)
+    normed = o * jax.lax.rsqrt(jnp.sum(o * o) / value_dim + eps) * norm_w_ref[layer, :].astype(jnp.float32)
+    y_ref[seq, cols] = (normed * jax.nn.sigmoid(gate_ref[seq, cols].astype(jnp.float32))).astype(y_ref.dtype)
+    slot = slots_ref[seq]
+    for row in range(shifted_ref.shape[1]):
+        for offset, width in _pow2_pieces(chunk):
+            chans = pl.ds(value_head * chunk + offset, width)
+            conv_ref[slot, row, chans] = shifted_ref[seq, row, chans]
+
+
 def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
                                        slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
                                        eps: float = 1e-5, block_v: int = 64, layer: int | None = None,
@@ -203,8 +231,9 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     session 6: 4% faster at H=96 with an fp32 pool, 4-12% with bf16, equal at H=32). Every program recomputes
     its head's q/k conv (K values), so no program may overwrite the conv state that others still read: the
     programs write each sequence's next conv rows to a separate ``[N, W-1, C]`` output (every program its V
-    columns, the first program of a head its q / k channels), which one XLA scatter puts into the pool; the
-    gated RMSNorm (which needs all of V) follows in XLA.
+    columns, the first program of a head its q / k channels). A second kernel, grid ``(N, HV)``, then applies
+    the gated RMSNorm (which needs all of V) and writes those rows into the pool at the slots, in place: one
+    launch instead of XLA's four (the norm's reduction and scaling, the scatter's select and update).
     ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks; the kernel reads row ``layer``
     of the first three in place, where a sliced operand would cost an XLA copy (a memcpy node of the step's CUDA
     graph) per call. ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweeps' best: 1 below 64
@@ -232,7 +261,20 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if block_v >= 64 else 1), num_stages=1),
         interpret=interpret_mode(), name="kda_decode_split_v",
     )(*inputs)
-    shape = (num_seqs, num_value_heads, value_dim)
-    y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight[layer or 0], eps)
-    conv_state = conv_state.at[slots].set(shifted)
-    return y.reshape(num_seqs, -1).astype(mixed_qkv.dtype), conv_state, state
+    if channels % num_value_heads:  # the epilogue splits the conv channels evenly over the value heads
+        shape = (num_seqs, num_value_heads, value_dim)
+        y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight[layer or 0], eps)
+        return y.reshape(num_seqs, -1).astype(mixed_qkv.dtype), conv_state.at[slots].set(shifted), state
+    inputs = (o, gate_logits, o_norm_weight, shifted, slots.astype(jnp.int32), conv_state)
+    out_shape = (jax.ShapeDtypeStruct(o.shape, mixed_qkv.dtype), jax.ShapeDtypeStruct(conv_state.shape,
+                                                                                       conv_state.dtype))
+    y, conv_state = pl.pallas_call(
+        functools.partial(_split_v_epilogue_kernel, layer=layer or 0, eps=float(eps),
+                          chunk=channels // num_value_heads),
+        out_shape=out_shape, grid=(num_seqs, num_value_heads),
+        in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
+        input_output_aliases={5: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret_mode(), name="kda_decode_epilogue",
+    )(*inputs)
+    return y, conv_state, state

@@ -101,6 +101,7 @@ def test_decode_matches_reference_in_place(split_v):
         assert_close(a, b, tol, name)
     untouched = np.setdiff1d(np.arange(7), np.asarray(x["slots"]))
     np.testing.assert_array_equal(np.asarray(ours[2])[untouched], np.asarray(x["state"])[untouched])
+    np.testing.assert_array_equal(np.asarray(ours[1])[untouched], np.asarray(x["conv_state"])[untouched])
 
 
 @pytest.mark.slow
@@ -145,10 +146,12 @@ def test_v_tiled_state_walk_matches_reference(num_tokens):
         fused_recurrent_kda_pallas(*args, block_v=3)
 
 
-def test_split_v_decode_fp32_softplus_gate_matches_reference():
-    """fp32 pool and inputs, softplus gate, one value head per key head, block_v = V / 4: exact to fp32 rounding;
-    a bad ``split_v`` is a clear error."""
-    x = recurrent_inputs(6, 1, jnp.float32, heads=2, value_heads=2)
+@pytest.mark.parametrize("heads,value_heads", [(2, 2), (1, 3)])
+def test_split_v_decode_fp32_softplus_gate_matches_reference(heads, value_heads):
+    """fp32 pool and inputs, softplus gate, block_v = V / 4: exact to fp32 rounding. (2, 2): 96 conv channels, 48
+    per value head for the epilogue kernel (pieces of 32 + 16); (1, 3): 80 channels do not split over 3 value
+    heads, so the norm and the conv scatter stay in XLA. A bad ``split_v`` is a clear error."""
+    x = recurrent_inputs(6, 1, jnp.float32, heads=heads, value_heads=value_heads)
     x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
     ours = fused_recurrent_kda(**x, split_v=4, impl="pallas")
     ref = fused_recurrent_kda(**x, impl="reference")
