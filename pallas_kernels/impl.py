@@ -26,3 +26,15 @@ def resolve_impl(impl: str | None) -> str:
 def interpret_mode() -> bool:
     """Pallas kernels run in interpret mode unless a GPU is present (or ``PALLAS_INTERPRET=1`` forces it)."""
     return os.environ.get("PALLAS_INTERPRET") == "1" or not on_gpu()
+
+
+def layer_stacks(layer: int | None, *arrays: jax.Array) -> tuple[tuple[jax.Array, ...], int]:
+    """Per-layer operands that a kernel reads in place -> (``[L, ...]`` stacks, the row to read). With ``layer``
+    the arrays already are stacks of the model's layers; without, each gets a leading axis of one and the row is 0.
+    A slice ``stack[layer]`` handed to a Pallas call would be copied by XLA first (BENCHMARKS.md, session 7)."""
+    if layer is None:
+        return tuple(a[None] for a in arrays), 0
+    num_layers = arrays[0].shape[0]
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer} outside the stack's {num_layers} layers")
+    return arrays, int(layer)

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.impl import interpret_mode
+from pallas_kernels.impl import interpret_mode, layer_stacks
 from pallas_kernels.kda.reference import gate_from_logits, gated_rms_norm
 
 L2_EPS = 1e-6
@@ -113,8 +113,8 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     (see :func:`fused_recurrent_kda_split_v_pallas`)."""
     num_seqs, num_tokens, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
-    if layer is None:
-        conv_weight, A_log, dt_bias, o_norm_weight = (a[None] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
+    (conv_weight, A_log, dt_bias, o_norm_weight), layer = layer_stacks(layer, conv_weight, A_log, dt_bias,
+                                                                        o_norm_weight)
     width = conv_weight.shape[2]
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
     interpret = interpret_mode()
@@ -124,7 +124,7 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     kernel = functools.partial(
         _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, width=width,
         num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
-        eps=eps, use_barrier=not interpret, block_v=block_v, layer=layer or 0)
+        eps=eps, use_barrier=not interpret, block_v=block_v, layer=layer)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
               dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), state, slots.astype(jnp.int32),
               out_slots.astype(jnp.int32), gate_logits, o_norm_weight)
@@ -241,13 +241,13 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     num_seqs, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
-    if layer is None:
-        conv_weight, A_log, dt_bias, o_norm_weight = (a[None] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
+    (conv_weight, A_log, dt_bias, o_norm_weight), layer = layer_stacks(layer, conv_weight, A_log, dt_bias,
+                                                                        o_norm_weight)
     block_v = min(block_v, value_dim)
     if value_dim % block_v:
         raise ValueError(f"block_v={block_v} must divide V={value_dim}")
     kernel = functools.partial(
-        _split_v_kernel, group=num_value_heads // num_heads, width=conv_weight.shape[2], layer=layer or 0,
+        _split_v_kernel, group=num_value_heads // num_heads, width=conv_weight.shape[2], layer=layer,
         scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound, block_v=block_v)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
               dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), state, slots.astype(jnp.int32))
@@ -263,13 +263,13 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     )(*inputs)
     if channels % num_value_heads:  # the epilogue splits the conv channels evenly over the value heads
         shape = (num_seqs, num_value_heads, value_dim)
-        y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight[layer or 0], eps)
+        y = gated_rms_norm(o.reshape(shape), gate_logits.reshape(shape), o_norm_weight[layer], eps)
         return y.reshape(num_seqs, -1).astype(mixed_qkv.dtype), conv_state.at[slots].set(shifted), state
     inputs = (o, gate_logits, o_norm_weight, shifted, slots.astype(jnp.int32), conv_state)
     out_shape = (jax.ShapeDtypeStruct(o.shape, mixed_qkv.dtype), jax.ShapeDtypeStruct(conv_state.shape,
                                                                                        conv_state.dtype))
     y, conv_state = pl.pallas_call(
-        functools.partial(_split_v_epilogue_kernel, layer=layer or 0, eps=float(eps),
+        functools.partial(_split_v_epilogue_kernel, layer=layer, eps=float(eps),
                           chunk=channels // num_value_heads),
         out_shape=out_shape, grid=(num_seqs, num_value_heads),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),

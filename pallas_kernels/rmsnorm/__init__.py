@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.impl import resolve_impl
+from pallas_kernels.impl import layer_stacks, resolve_impl
 from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference"]
@@ -19,14 +19,11 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *, ep
     a sliced ``weight[layer]`` handed to a Pallas call is first copied by XLA (one memcpy node per call in the
     step's CUDA graph; BENCHMARKS.md, session 7).
     ``impl``: ``None | "reference" | "pallas"`` (one kernel instead of XLA's three: the decode step's case)."""
-    stacked = weight if layer is not None else weight[None]
+    (stacked,), row = layer_stacks(layer, weight)
     if (x.ndim != 2 or (delta is not None and delta.shape != x.shape) or stacked.ndim != 2
             or stacked.shape[1:] != x.shape[-1:]):
         raise ValueError(f"x [T, D], delta like x, weight [D] (or [L, D] with layer); got x {x.shape}, "
                          f"delta {None if delta is None else delta.shape}, weight {weight.shape}")
-    row = 0 if layer is None else int(layer)
-    if not 0 <= row < stacked.shape[0]:
-        raise ValueError(f"layer={layer} outside the weight stack's {stacked.shape[0]} rows")
     if resolve_impl(impl) == "pallas":
         from pallas_kernels.rmsnorm.kernel import add_rms_norm_pallas
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.impl import resolve_impl
+from pallas_kernels.impl import layer_stacks, resolve_impl
 from pallas_kernels.router.reference import route_reference
 
 __all__ = ["route", "route_reference", "KERNEL_MAX_ROWS"]
@@ -25,15 +25,12 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, *, k: int, renormali
     the fp32 logits split over experts and D, then sigmoid + bias + top-k + renormalisation per row) serves
     ``T <= KERNEL_MAX_ROWS``, ungrouped routing, ``E`` and ``D`` multiples of 16, ``k <= E``; anything else runs
     the reference."""
-    stacked = (router, bias) if layer is not None else (router[None], bias[None])
+    stacked, row = layer_stacks(layer, router, bias)
     if x.ndim != 2 or stacked[0].ndim != 3 or stacked[0].shape[1] != x.shape[1] or stacked[1].shape != (
             stacked[0].shape[0], stacked[0].shape[2]):
         raise ValueError(f"x [T, D], router [D, E] and bias [E] (stacked [L, D, E], [L, E] with layer); got x "
                          f"{x.shape}, router {router.shape}, bias {bias.shape}")
-    num_layers, dim, experts = stacked[0].shape
-    row = 0 if layer is None else int(layer)
-    if not 0 <= row < num_layers:
-        raise ValueError(f"layer={layer} outside the router stack's {num_layers} layers")
+    dim, experts = stacked[0].shape[1:]
     if not 1 <= k <= experts:
         raise ValueError(f"k={k} must be in [1, E={experts}]")
     kernel_ok = (x.shape[0] <= KERNEL_MAX_ROWS and num_expert_group == 1 and experts % 16 == 0 and dim % 16 == 0)
