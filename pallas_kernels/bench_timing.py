@@ -86,6 +86,23 @@ def device_seconds_and_kernels(fn, args, repeats: int = 20) -> tuple[float, int]
     return sum(split.values()) * 1e-6, len(split)
 
 
+TIMING_HEADER = f"{'xla us':>8}{'n':>4} {'pallas us':>10}{'n':>4} {'roofline us':>12}"
+"""Column titles of :func:`timing_columns`."""
+
+
+def time_against_xla(xla, ours, args, repeats: int, roofline_s: float) -> dict:
+    """A kernel bench's timing fields for one case: device seconds and kernels per call of XLA's lowering of the
+    reference (``xla``) and of the Pallas version (``ours``) on ``args``, and the case's roofline."""
+    (xla_s, xla_n), (ours_s, ours_n) = (device_seconds_and_kernels(f, args, repeats) for f in (xla, ours))
+    return dict(xla_s=xla_s, xla_kernels=xla_n, pallas_s=ours_s, pallas_kernels=ours_n, roofline_s=roofline_s)
+
+
+def timing_columns(case: dict) -> str:
+    """The printed row's timing part for a case holding :func:`time_against_xla`'s fields."""
+    return (f"{case['xla_s'] * 1e6:8.2f}{case['xla_kernels']:4d} {case['pallas_s'] * 1e6:10.2f}"
+            f"{case['pallas_kernels']:4d} {case['roofline_s'] * 1e6:12.2f}")
+
+
 def new_result() -> dict:
     """A bench's result record: the device and the copy bandwidth measured now (printed), and no cases yet."""
     bandwidth = copy_bandwidth()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bench_timing import device_seconds_and_kernels, new_result, save_json
+from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.greedy.kernel import greedy_pallas
 from pallas_kernels.greedy.reference import greedy_reference
 
@@ -22,17 +22,15 @@ REPEATS = 20
 def main():
     result = new_result()
     bandwidth = result["copy_bandwidth_Bps"]
-    print(f"{'N':>5} {'xla us':>8}{'n':>4} {'pallas us':>10}{'n':>4} {'roofline us':>12} {'ids equal':>10}")
+    print(f"{'N':>5} {TIMING_HEADER} {'ids equal':>10}")
     xla, ours = jax.jit(greedy_reference), jax.jit(greedy_pallas)
     for rows in (1, 16, 64, 256):
         logits = jax.random.normal(jax.random.key(rows), (rows, VOCAB), jnp.float32) * 4
         same = bool(jnp.all(xla(logits)[0] == ours(logits)[0]))
-        (xla_s, xla_n), (ours_s, ours_n) = (device_seconds_and_kernels(f, (logits,), REPEATS) for f in (xla, ours))
-        case = dict(rows=rows, ids_equal=same, roofline_s=logits.nbytes / bandwidth, xla_s=xla_s, xla_kernels=xla_n,
-                    pallas_s=ours_s, pallas_kernels=ours_n)
+        case = dict(rows=rows, ids_equal=same,
+                    **time_against_xla(xla, ours, (logits,), REPEATS, logits.nbytes / bandwidth))
         result["cases"].append(case)
-        print(f"{rows:>5} {case['xla_s'] * 1e6:8.2f}{case['xla_kernels']:4d} {case['pallas_s'] * 1e6:10.2f}"
-              f"{case['pallas_kernels']:4d} {case['roofline_s'] * 1e6:12.2f} {str(same):>10}", flush=True)
+        print(f"{rows:>5} {timing_columns(case)} {str(same):>10}", flush=True)
         save_json(result, "greedy_bench.json")
 
 

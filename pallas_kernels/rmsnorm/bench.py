@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bench_timing import device_seconds_and_kernels, new_result, save_json
+from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.rmsnorm.kernel import add_rms_norm_pallas
 from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
 
@@ -22,7 +22,7 @@ REPEATS = 20
 def main():
     result = new_result()
     bandwidth = result["copy_bandwidth_Bps"]
-    print(f"{'T':>6}{'D':>6} {'xla us':>8}{'n':>4} {'pallas us':>10}{'n':>4} {'roofline us':>12} {'max diff':>9}")
+    print(f"{'T':>6}{'D':>6} {TIMING_HEADER} {'max diff':>9}")
     for rows in (1, 16, 64, 256, 2048):
         for dim in (2304, 7168):
             keys = jax.random.split(jax.random.key(rows * dim), 3)
@@ -32,13 +32,10 @@ def main():
             ours = jax.jit(lambda x, d, w: add_rms_norm_pallas(x, d, w[None], eps=EPS))
             diff = float(jnp.max(jnp.abs(xla(x, delta, weight)[1].astype(jnp.float32)
                                          - ours(x, delta, weight)[1].astype(jnp.float32))))
-            (xla_s, xla_n), (ours_s, ours_n) = (device_seconds_and_kernels(f, (x, delta, weight), REPEATS)
-                                                  for f in (xla, ours))
-            case = dict(rows=rows, dim=dim, xla_s=xla_s, xla_kernels=xla_n, pallas_s=ours_s, pallas_kernels=ours_n,
-                        roofline_s=4 * x.nbytes / bandwidth, max_abs_diff=diff)
+            case = dict(rows=rows, dim=dim, max_abs_diff=diff,
+                        **time_against_xla(xla, ours, (x, delta, weight), REPEATS, 4 * x.nbytes / bandwidth))
             result["cases"].append(case)
-            print(f"{rows:>6}{dim:>6} {xla_s * 1e6:8.2f}{xla_n:4.0f} {ours_s * 1e6:10.2f}{ours_n:4.0f} "
-                  f"{case['roofline_s'] * 1e6:12.2f} {diff:9.1e}", flush=True)
+            print(f"{rows:>6}{dim:>6} {timing_columns(case)} {diff:9.1e}", flush=True)
             save_json(result, "rmsnorm_bench.json")
 
 

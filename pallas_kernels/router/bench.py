@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.bench_timing import device_seconds_and_kernels, new_result, save_json
+from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.router.kernel import route_pallas
 from pallas_kernels.router.reference import route_reference
 
@@ -24,8 +24,7 @@ SHAPES = {"kimi-linear": (2304, 256, 8, 2.446), "k3": (7168, 896, 16, 1.0)}
 def main():
     result = new_result()
     bandwidth = result["copy_bandwidth_Bps"]
-    print(f"{'model':>12}{'T':>5} {'xla us':>8}{'n':>4} {'pallas us':>10}{'n':>4} {'roofline us':>12} "
-          f"{'ids equal':>10}")
+    print(f"{'model':>12}{'T':>5} {TIMING_HEADER} {'ids equal':>10}")
     for model, (dim, experts, k, scaling) in SHAPES.items():
         for rows in (1, 16, 64):
             keys = jax.random.split(jax.random.key(rows * dim), 3)
@@ -37,14 +36,10 @@ def main():
             (w_ref, ids_ref), (w_ours, ids_ours) = xla(x, router, bias), ours(x, router, bias)
             same = bool(np.array_equal(np.asarray(ids_ref), np.asarray(ids_ours)))
             diff = float(jnp.max(jnp.abs(w_ref - w_ours)))
-            (xla_s, xla_n), (ours_s, ours_n) = (device_seconds_and_kernels(f, (x, router, bias), REPEATS)
-                                                  for f in (xla, ours))
-            case = dict(model=model, rows=rows, dim=dim, experts=experts, k=k, xla_s=xla_s, xla_kernels=xla_n,
-                        pallas_s=ours_s, pallas_kernels=ours_n, roofline_s=dim * experts * 4 / bandwidth,
-                        ids_equal=same, max_weight_diff=diff)
+            case = dict(model=model, rows=rows, dim=dim, experts=experts, k=k, ids_equal=same, max_weight_diff=diff,
+                        **time_against_xla(xla, ours, (x, router, bias), REPEATS, dim * experts * 4 / bandwidth))
             result["cases"].append(case)
-            print(f"{model:>12}{rows:>5} {xla_s * 1e6:8.2f}{xla_n:4.0f} {ours_s * 1e6:10.2f}{ours_n:4.0f} "
-                  f"{case['roofline_s'] * 1e6:12.2f} {str(same):>10}", flush=True)
+            print(f"{model:>12}{rows:>5} {timing_columns(case)} {str(same):>10}", flush=True)
             save_json(result, "router_bench.json")
 
 
