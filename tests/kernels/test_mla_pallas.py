@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import NO_KEY_LSE, mla_paged_attention, write_latent_cache_fp8
-from pallas_kernels.mla.attention import mla_paged_attention_pallas
+from pallas_kernels.mla.attention import choose_tiling, mla_paged_attention_pallas
 from pallas_kernels.mla.prefill import mla_prefill_attention_pallas
 from pallas_kernels.mla.reference import mla_paged_attention_reference, mla_prefill_attention_reference
 from pallas_kernels.mla.testing import make_paged_batch
@@ -35,6 +35,8 @@ CASES = {
     "decode_splits": ([37, 5, 64, 0], [1, 1, 1, 0], 5, 16, dict(block_q=4, block_h=4, block_k=16, num_splits=2)),
     "spec_and_chunk_bs64": ([70, 9, 130], [8, 3, 5], 18, 64, dict(block_q=4, block_h=4, block_k=32, num_splits=2)),
     "prefill_no_prefix_one_split": ([23, 1], [23, 1], 24, 16, dict(block_q=8, block_h=2, block_k=16, num_splits=1)),
+    # choose_tiling's short-decode tiling: 16-head programs over 4 heads, 2 splits (the 5-token one's second empty)
+    "decode_auto_short": ([37, 5, 64], [1, 1, 1], 3, 16, {}),
 }
 
 
@@ -51,6 +53,18 @@ def test_absorbed_kernel_matches_reference(case):
     np.testing.assert_allclose(o, want_o, **TOL)
     np.testing.assert_allclose(lse, want_lse, **TOL)
     assert np.all(lse[int(batch.cu_q_lens[-1]) :] == np.float32(NO_KEY_LSE))
+
+
+def test_short_decode_tiling():
+    """Decode over a short cache: 16 heads per program and splits of >= 32 keys toward ~128 programs (the H200
+    probe's fastest); long caches and multi-token tiles keep the 32-row tiling."""
+    pick = lambda *a: {k: choose_tiling(*a)[k] for k in ("block_q", "block_h", "num_splits")}  # noqa: E731
+    assert pick(1, 1, 32, 560) == dict(block_q=1, block_h=16, num_splits=16)
+    assert pick(1, 1, 32, 4096) == dict(block_q=1, block_h=16, num_splits=32)
+    assert pick(16, 16, 32, 560) == dict(block_q=1, block_h=16, num_splits=4)
+    assert pick(1, 1, 32, 40) == dict(block_q=1, block_h=16, num_splits=1)
+    assert pick(16, 16, 32, 32768)["block_h"] == 32
+    assert pick(64, 16, 32, 560)["block_h"] == 32
 
 
 def test_absorbed_kernel_fp8_cache_and_stacked_layer():
