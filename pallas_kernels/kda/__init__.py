@@ -15,14 +15,25 @@ from pallas_kernels.impl import resolve_impl
 from pallas_kernels.kda.reference import (chunk_kda_reference, fused_recurrent_kda_reference, gated_rms_norm, kda_gate,
                                           l2_normalize, naive_recurrent_kda)
 
-__all__ = ["chunk_kda", "chunk_kda_reference", "fused_recurrent_kda", "fused_recurrent_kda_reference",
+__all__ = ["chunk_kda", "chunk_kda_reference", "decode_split_v", "fused_recurrent_kda", "fused_recurrent_kda_reference",
            "fused_recurrent_kda_verify", "gated_rms_norm", "kda_gate", "l2_normalize", "naive_recurrent_kda"]
 
 MAX_VERIFY_TOKENS = 8
 DECODE_SPLIT_V: int | None = 64
-"""``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` (None: the single-program fused
-kernel). Chosen by the H200 decode sweep of ``kda/bench.py`` (BENCHMARKS.md); ``bench_decode --kda-split-v``
-sets it for an engine run."""
+"""Widest ``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` (None: the single-program
+fused kernel); :func:`decode_split_v` narrows it for small batches. Chosen by the H200 decode sweep of
+``kda/bench.py`` (BENCHMARKS.md); ``bench_decode --kda-split-v`` sets it for an engine run."""
+DECODE_MIN_PROGRAMS = 128  # about one per SM of the H200
+
+
+def decode_split_v(num_seqs: int, num_v_heads: int, v_dim: int) -> int | None:
+    """The decode step's ``split_v``: :data:`DECODE_SPLIT_V`, halved (down to 32 columns) while the batch would
+    give fewer than :data:`DECODE_MIN_PROGRAMS` programs. H200 probe (session 8, H=32, all kernels of the op):
+    batch 1 10.0 us at 64 columns, 9.2 at 32, 9.8 at 16; batch 4 and 16 fastest at 64."""
+    split = DECODE_SPLIT_V
+    while split is not None and split > 32 and num_seqs * num_v_heads * (v_dim // split) < DECODE_MIN_PROGRAMS:
+        split //= 2
+    return split
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, checkpoint_positions=None,

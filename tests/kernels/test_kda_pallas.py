@@ -175,3 +175,17 @@ def test_decode_reads_layer_row_of_stacked_weights(split_v):
     ref = fused_recurrent_kda(**x, impl="reference")
     for name, a, b in zip(("y", "conv_state", "state"), ours, ref):
         assert_close(a, b, FP32_TOL, name)
+
+
+def test_decode_split_v_narrows_for_small_batches(monkeypatch):
+    """Batch 1 of 32 heads gives 64 programs at 64 columns: halved to 32 columns (128 programs); batch 4 keeps 64;
+    never below 32 columns, and None (the single-program kernel) stays None."""
+    from pallas_kernels import kda as kda_ops
+
+    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", 64)
+    assert [kda_ops.decode_split_v(n, 32, 128) for n in (1, 2, 4, 64)] == [32, 64, 64, 64]
+    assert kda_ops.decode_split_v(1, 2, 16) == 32
+    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", 16)
+    assert kda_ops.decode_split_v(1, 2, 16) == 16
+    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", None)
+    assert kda_ops.decode_split_v(1, 32, 128) is None
