@@ -291,3 +291,42 @@ def test_exactly_one_row_map():
         grouped_matmul_concat(x, [w], jnp.asarray([2, 0, 0], jnp.int32), row_experts=jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="exactly one"):
         grouped_matmul_concat(x, [w])
+
+
+def _glu_float64(x: np.ndarray, act: tuple) -> np.ndarray:
+    """Independent float64 gated activation of x's gate / up halves."""
+    g, u = np.split(np.asarray(x, np.float64), 2, axis=1)
+    sigmoid = 1 / (1 + np.exp(-g))
+    if act[0] == "silu":
+        return g * sigmoid * u
+    beta, linear_beta = act[1:]
+    return beta * np.tanh(g / beta) * sigmoid * linear_beta * np.tanh(u / linear_beta)
+
+
+@pytest.mark.parametrize("act", [("silu",), ("situ", 2.0, 3.0)])
+@pytest.mark.parametrize("weight_format,per_row", [("bf16", True), ("mxfp4", True), ("bf16", False)])
+def test_gated_activation_fused_into_the_input_load(act, weight_format, per_row):
+    """``x_glu``: x [M, 2K] holds gate then up; the product is of act(gate) * up rounded to bf16, as the
+    explicitly activated input gives (the MoE down projection after gate/up). Per-row experts at decode, and
+    rows sorted by expert (with 2 rows past sum(group_sizes), which stay zero)."""
+    rng = np.random.default_rng(21 + per_row)
+    x = jnp.asarray(rng.standard_normal((7, 128)) * 2, jnp.bfloat16)
+    activated = jnp.asarray(_glu_float64(x, act), jnp.bfloat16)
+    groups = dict(row_experts=jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)) if per_row else dict(
+        group_sizes=jnp.asarray([3, 0, 2], jnp.int32))
+    if weight_format == "mxfp4":
+        _, packed, scales, _ = random_problem(48, [1, 1, 1], 7, n=32)
+        def run(x, impl, **kw):  # noqa: E306
+            return mxfp4_grouped_matmul_concat(x, [(packed[None], scales[None])], layer=0, impl=impl, **groups, **kw)
+    else:
+        ws = [jnp.asarray(rng.standard_normal((2, 3, 64, 32)), jnp.bfloat16).at[0].set(jnp.nan)]
+        def run(x, impl, **kw):  # noqa: E306
+            return grouped_matmul_concat(x, ws, layer=1, impl=impl, **groups, **kw)
+    want = run(activated, "reference")
+    assert np.isfinite(np.asarray(want, np.float32)).all()
+    assert_rows_close(run(x, "reference", x_glu=act), want)
+    assert_rows_close(run(x, "pallas", x_glu=act), want)
+    if not per_row:
+        assert not np.asarray(run(x, "pallas", x_glu=act), np.float32)[5:].any()
+    with pytest.raises(ValueError, match="gate and up halves"):
+        run(x[:, :127], "pallas", x_glu=act)
