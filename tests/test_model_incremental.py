@@ -2,7 +2,8 @@
 
 Two small configs cover every layer kind: Kimi-Linear style (softplus gate, low-rank output gate, GVA value
 heads, MLA without q-LoRA, plain residuals, bf16 experts) and K3 style (lower-bound gate, full-rank gate,
-q-LoRA + gated MLA, Block AttnRes, Stable LatentMoE with SiTU and MXFP4 experts)."""
+q-LoRA + gated MLA whose head widths fit the Pallas absorption kernels, Block AttnRes, Stable LatentMoE with
+SiTU and MXFP4 experts)."""
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,8 @@ KL = ModelConfig(vocab_size=97, hidden_size=32, num_layers=4, layer_types=("kda"
 K3 = ModelConfig(vocab_size=101, hidden_size=64, num_layers=5, layer_types=("kda", "mla", "kda", "kda", "mla"),
                  mlp_types=("dense", "moe", "moe", "moe", "moe"), kda_num_heads=2, kda_num_v_heads=2,
                  kda_head_dim=16, kda_v_head_dim=16, kda_gate_lower_bound=-5.0, kda_full_rank_gate=True,
-                 mla_num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                 v_head_dim=8, mla_output_gate=True, hidden_act="situ", intermediate_size=64, num_experts=8,
+                 mla_num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                 v_head_dim=16, mla_output_gate=True, hidden_act="situ", intermediate_size=64, num_experts=8,
                  num_experts_per_token=3, moe_intermediate_size=32, num_shared_experts=2, latent_dim=32,
                  latent_norm=True, experts_mxfp4=True, attn_res_block_size=2, eos_token_id=1)
 BS = 4  # small pages so sequences span several blocks

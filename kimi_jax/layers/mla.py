@@ -68,8 +68,6 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     else:
         pages, scales = mla_ops.write_latent_cache_fp8(pages, scales, latent, slots, layer=j)
 
-    w_kv = p.kv_b[j].reshape(r, h, kn + vd)
-    w_uk, w_uv = w_kv[..., :kn], w_kv[..., kn:]  # [R, H, Kn], [R, H, V]
     scale = (kn + kr) ** -0.5
     total = step.context_lens + layout.q_lens
     if form == "unabsorbed":
@@ -77,18 +75,18 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
         num_keys = step.block_tables.shape[0] * step.block_tables.shape[1] * pages.shape[2]
         keys = mla_ops.gather_latent(pages, step.block_tables, cu_kv, num_keys, page_scales=scales,
                                      layer=j)  # [S, R+Kr]
+        w_kv = p.kv_b[j].reshape(r, h, kn + vd)  # per head: Kn columns of W_UK, then V of W_UV
         kv = jnp.einsum("sr,rhc->shc", keys[:, :r].astype(x.dtype), w_kv, preferred_element_type=F32)
         o, _ = mla_ops.mla_prefill_attention(q, kv[..., :kn].astype(x.dtype), keys[:, r:].astype(x.dtype),
                                              kv[..., kn:].astype(x.dtype), step.cu_seqlens, cu_kv,
                                              scale=scale, impl=impl)
         attn = o.astype(F32).reshape(t_rows, h * vd)
     elif form == "absorbed":
-        q_lat = jnp.einsum("thn,rhn->thr", q[..., :kn], w_uk, preferred_element_type=F32)
-        q_abs = jnp.concatenate([q_lat, q[..., kn:].astype(F32)], axis=-1).astype(x.dtype)  # [T, H, R+Kr]
+        q_abs = mla_ops.absorb_queries(q.astype(x.dtype), p.kv_b[...], layer=j, k_nope=kn, impl=impl)
         o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, step.block_tables, total, step.cu_seqlens,
                                                scale=scale, kv_lora_rank=r, page_scales=scales, layer=j,
                                                impl=impl)
-        attn = jnp.einsum("thr,rhv->thv", o_lat, w_uv, preferred_element_type=F32).reshape(t_rows, h * vd)
+        attn = mla_ops.absorb_outputs(o_lat, p.kv_b[...], layer=j, v_dim=vd, impl=impl).reshape(t_rows, h * vd)
     else:
         raise ValueError(f"MLA form must be 'absorbed' or 'unabsorbed', got {form!r}")
     if cfg.mla_output_gate:

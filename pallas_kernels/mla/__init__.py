@@ -17,6 +17,8 @@ import jax
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.mla.reference import (
     NO_KEY_LSE,
+    absorb_outputs_reference,
+    absorb_queries_reference,
     gather_latent,
     merge_partials,
     mla_paged_attention_reference,
@@ -28,6 +30,10 @@ from pallas_kernels.mla.reference import (
 
 __all__ = [
     "NO_KEY_LSE",
+    "absorb_outputs",
+    "absorb_outputs_reference",
+    "absorb_queries",
+    "absorb_queries_reference",
     "gather_latent",
     "merge_partials",
     "mla_paged_attention",
@@ -38,6 +44,37 @@ __all__ = [
     "write_latent_cache",
     "write_latent_cache_fp8",
 ]
+
+
+ABSORB_KERNEL_MAX_ROWS = 16
+"""Query rows up to which ``impl="pallas"`` runs the absorption kernels (decode); XLA's batched GEMMs above."""
+
+
+def _absorb_kernel_fits(rows: int, *widths: int) -> bool:
+    """The absorption kernels take up to ABSORB_KERNEL_MAX_ROWS rows and head widths that are powers of two
+    >= 16 (Triton block shapes and the MMA's minimum); other shapes take the XLA path."""
+    return rows <= ABSORB_KERNEL_MAX_ROWS and all(w >= 16 and w & (w - 1) == 0 for w in widths)
+
+
+def absorb_queries(q, kv_b, *, layer: int, k_nope: int, impl: str | None = None) -> jax.Array:
+    """The absorbed query: q [T, H, Kn+Kr] -> [T, H, R+Kr] in q's dtype (``q[..., :Kn]`` through W_UK of the
+    stacked ``kv_b [L, R, H*(Kn+V)]`` at ``layer``, fp32 accumulation; the rotary part after it)."""
+    if resolve_impl(impl) == "pallas" and _absorb_kernel_fits(q.shape[0], k_nope, q.shape[2] - k_nope,
+                                                              kv_b.shape[1]):
+        from pallas_kernels.mla.absorb import absorb_queries_pallas
+
+        return absorb_queries_pallas(q, kv_b, layer=layer, k_nope=k_nope)
+    return absorb_queries_reference(q, kv_b, layer=layer, k_nope=k_nope)
+
+
+def absorb_outputs(o_lat, kv_b, *, layer: int, v_dim: int, impl: str | None = None) -> jax.Array:
+    """Latent attention outputs o_lat [T, H, R] through W_UV of ``kv_b [L, R, H*(Kn+V)]`` at ``layer`` ->
+    [T, H, V] f32."""
+    if resolve_impl(impl) == "pallas" and _absorb_kernel_fits(o_lat.shape[0], v_dim, kv_b.shape[1]):
+        from pallas_kernels.mla.absorb import absorb_outputs_pallas
+
+        return absorb_outputs_pallas(o_lat, kv_b, layer=layer, v_dim=v_dim)
+    return absorb_outputs_reference(o_lat, kv_b, layer=layer, v_dim=v_dim)
 
 
 def write_latent_cache(pages, latent, slot_mapping, *, layer=None, impl: str | None = None) -> jax.Array:

@@ -250,3 +250,21 @@ def mla_prefill_attention_reference(
 
     o, lse = _map_query_chunks(attend, (q, seq, pos, is_real), num_keys * num_heads * 8)
     return o.astype(q.dtype), lse
+
+
+def absorb_queries_reference(q: jax.Array, kv_b: jax.Array, *, layer: int, k_nope: int) -> jax.Array:
+    """``q [T, H, Kn+Kr]`` -> the absorbed query ``[T, H, R+Kr]`` in q's dtype: each head's ``q[..., :Kn]``
+    through its W_UK (the first Kn of its ``Kn + V`` columns of ``kv_b [L, R, H*(Kn+V)]``, layer ``layer``) in
+    fp32, then the rotary part ``q[..., Kn:]``."""
+    heads = q.shape[1]
+    w = kv_b[layer].reshape(kv_b.shape[1], heads, -1)[..., :k_nope]  # [R, H, Kn]
+    q_lat = jnp.einsum("thn,rhn->thr", q[..., :k_nope], w, preferred_element_type=jnp.float32)
+    return jnp.concatenate([q_lat, q[..., k_nope:].astype(jnp.float32)], axis=-1).astype(q.dtype)
+
+
+def absorb_outputs_reference(o_lat: jax.Array, kv_b: jax.Array, *, layer: int, v_dim: int) -> jax.Array:
+    """``o_lat [T, H, R]`` -> ``[T, H, V]`` f32: each head's latent output through its W_UV (the last V of its
+    columns of ``kv_b``, layer ``layer``)."""
+    heads = o_lat.shape[1]
+    w = kv_b[layer].reshape(kv_b.shape[1], heads, -1)[..., -v_dim:]  # [R, H, V]
+    return jnp.einsum("thr,rhv->thv", o_lat, w, preferred_element_type=jnp.float32)

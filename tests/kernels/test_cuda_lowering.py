@@ -15,6 +15,7 @@ from jax import export
 
 from pallas_kernels.greedy import kernel as greedy_kernel
 from pallas_kernels.kda import recurrent as kda_recurrent
+from pallas_kernels.mla import absorb as mla_absorb
 from pallas_kernels.mxfp4 import kernel as gemm_kernel
 from pallas_kernels.rmsnorm import kernel as rmsnorm_kernel
 from pallas_kernels.router import kernel as router_kernel
@@ -29,7 +30,7 @@ def cuda_lowering(monkeypatch):
 
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-    for module in (greedy_kernel, kda_recurrent, gemm_kernel, rmsnorm_kernel, router_kernel):
+    for module in (greedy_kernel, kda_recurrent, gemm_kernel, mla_absorb, rmsnorm_kernel, router_kernel):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     jax.clear_caches()  # no trace cached in interpret mode may be reused
     yield
@@ -53,6 +54,12 @@ def grouped_gemm(x, w1, w3, row_experts):
                                                   weights_lhs=True, num_stages=4)
 
 
+def grouped_gemm_glu(x, w2, row_experts):  # the MoE down projection at decode, SiTU-GLU applied as x loads
+    return gemm_kernel.grouped_gemm_concat_pallas(x, ((w2,),), row_experts, 256, weight_format="bf16", per_row=True,
+                                                  block_m=16, block_n=64, block_k=128, weights_lhs=True,
+                                                  num_stages=3, x_glu=("situ", 8.0, 16.0))
+
+
 KDA_DECODE_ARGS = [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32), S((9, 3, 12288), jnp.float32),
                    S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16), S((3, 32), jnp.float32),
                    S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32), S((2,), jnp.int32),
@@ -70,6 +77,12 @@ CASES = {
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
+    "mla_absorb_queries": (functools.partial(mla_absorb.absorb_queries_pallas, layer=3, k_nope=128),
+                           [S((16, 32, 192), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
+    "mla_absorb_outputs": (functools.partial(mla_absorb.absorb_outputs_pallas, layer=6, v_dim=128),
+                           [S((1, 32, 512), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
+    "grouped_gemm_per_row_glu": (grouped_gemm_glu, [S((8, 2048), jnp.bfloat16), S((768, 1024, 2304), jnp.bfloat16),
+                                                    S((8,), jnp.int32)]),
 }
 
 
