@@ -27,6 +27,11 @@ from pallas_kernels.impl import interpret_mode
 BLOCK_T = 16  # query rows per program (the MMA's minimum; decode steps have 1-16)
 
 
+def _precision(ref):
+    """IEEE products for fp32 operands (the GPU's default would round them to TF32); bf16 as is."""
+    return jax.lax.Precision.HIGHEST if ref.dtype == jnp.float32 else None
+
+
 def _absorb_q_kernel(q_ref, w_ref, o_ref, *, layer, block_r, width, k_nope):
     head, r_block, t_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(t_block * BLOCK_T, BLOCK_T)
@@ -35,7 +40,7 @@ def _absorb_q_kernel(q_ref, w_ref, o_ref, *, layer, block_r, width, k_nope):
     q = pltriton.load(q_ref.at[rows, head, pl.ds(0, k_nope)], mask=row_mask[:, None], other=0.0)
     r_cols = pl.ds(pl.multiple_of(r_block * block_r, block_r), block_r)
     w = w_ref[layer, r_cols, pl.ds(head * width, k_nope)]  # [block_r, Kn]
-    out = jnp.dot(q, w.T, preferred_element_type=jnp.float32)
+    out = jnp.dot(q, w.T, precision=_precision(q_ref), preferred_element_type=jnp.float32)
     pltriton.store(o_ref.at[rows, head, r_cols], out.astype(o_ref.dtype), mask=row_mask[:, None])
 
     @pl.when(r_block == 0)  # the rotary part passes through, after the latent columns
@@ -54,7 +59,7 @@ def _absorb_o_kernel(x_ref, w_ref, o_ref, *, layer, block_v, block_k, width, k_n
         ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
         x = pltriton.load(x_ref.at[rows, head, ks], mask=row_mask[:, None], other=0.0)
         w = w_ref[layer, ks, pl.ds(first_col, block_v)]  # [block_k, block_v]
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x, w, precision=_precision(x_ref), preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, x_ref.shape[2] // block_k, body, jnp.zeros((BLOCK_T, block_v), jnp.float32))
     pltriton.store(o_ref.at[rows, head, pl.ds(pl.multiple_of(v_block * block_v, block_v), block_v)], acc,
