@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.activations import glu_activation
 from pallas_kernels.impl import resolve_impl
 
 F32 = jnp.float32
@@ -62,14 +61,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * weight.astype(F32)).astype(x.dtype)
 
 
-def glu_spec(cfg) -> tuple:
-    """The config's gated activation as a static spec for :func:`pallas_kernels.activations.glu_activation`."""
-    return ("situ", cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else ("silu",)
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(gate.dtype)
+
+
+def situ_glu(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
+    """SiTU-GLU (K3): ``beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta)`` in fp32."""
+    g = gate.astype(F32)
+    u = up.astype(F32)
+    act = beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
+    return act.astype(gate.dtype)
 
 
 def glu(gate: jax.Array, up: jax.Array, cfg) -> jax.Array:
-    """The config's gated activation (SiLU-GLU or SiTU-GLU) in fp32, result in gate's dtype."""
-    return glu_activation(gate, up, glu_spec(cfg)).astype(gate.dtype)
+    """The config's gated activation: SiLU-GLU or SiTU-GLU."""
+    if cfg.hidden_act == "situ":
+        return situ_glu(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    return silu_glu(gate, up)
 
 
 def draw_in_chunks(key: jax.Array, shape: tuple[int, ...], draw) -> jax.Array:

@@ -15,11 +15,10 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal, glu, glu_spec, rms_norm,
+from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, split_columns,
                                     stacked_linear, stacked_linears)
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
-from pallas_kernels.activations import glu_of_halves
 from pallas_kernels import router as router_ops
 from pallas_kernels.impl import resolve_impl
 
@@ -99,24 +98,25 @@ class MoEStack(nnx.Module):
 
 
 def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, impl: str | None, *,
-                   sizes: jax.Array | None = None, row_experts: jax.Array | None = None,
-                   x_glu: tuple = ()) -> jax.Array:
-    """Grouped GEMMs of rows ``xs [M, in]`` with routed expert weights ``names`` (same input width) -> their
-    products side by side ``[M, sum out]`` (Pallas: xs.dtype; reference: f32). Rows are sorted by expert with
-    ``sizes [E]`` rows per expert, or (Pallas only) unsorted with ``row_experts [M]`` naming each row's expert.
-    ``x_glu``: xs holds gate and up halves and the GEMM's input is their gated activation.
+                   sizes: jax.Array | None = None, row_experts: jax.Array | None = None) -> list[jax.Array]:
+    """Grouped GEMMs of rows ``xs [M, in]`` with routed expert weights ``names`` (same input width) -> one
+    ``[M, out]`` f32 product each. Rows are sorted by expert with ``sizes [E]`` rows per expert, or (Pallas
+    only) unsorted with ``row_experts [M]`` naming each row's expert.
 
     Pallas: one launch of the W4A16 grouped kernel over the packed MXFP4 bytes of every name (or of the bf16
-    grouped kernel), which applies ``x_glu`` as it loads xs; reference: dequantise every expert, then
-    ``lax.ragged_dot`` per name (exact, but XLA lowers it densely on GPU)."""
+    grouped kernel); reference: dequantise every expert, then ``lax.ragged_dot`` per name (exact, but XLA
+    lowers it densely on GPU)."""
     mxfp4_packed = getattr(p, f"{names[0]}_packed", None) is not None
     if resolve_impl(impl) == "pallas":
-        rows = dict(group_sizes=sizes, row_experts=row_experts, layer=j, x_glu=x_glu, impl="pallas")
+        rows = dict(group_sizes=sizes, row_experts=row_experts, layer=j, impl="pallas")
         if mxfp4_packed:
-            return gemm_ops.mxfp4_grouped_matmul_concat(
+            both = gemm_ops.mxfp4_grouped_matmul_concat(
                 xs, [(getattr(p, f"{n}_packed"), getattr(p, f"{n}_scale")) for n in names], **rows)
-        return gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows)
-    xs = glu_of_halves(xs, x_glu) if x_glu else xs
+            widths = [getattr(p, f"{n}_packed").shape[-2] for n in names]
+        else:
+            both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows)
+            widths = [getattr(p, n).shape[-1] for n in names]
+        return split_columns(both.astype(F32), widths)
     out = []
     for n in names:
         if mxfp4_packed:
@@ -125,7 +125,7 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
         else:
             w = getattr(p, n)[j]
         out.append(jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32))
-    return jnp.concatenate(out, axis=-1)
+    return out
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -133,8 +133,7 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     """Sort (token, choice) pairs by expert, run the grouped GLU experts, combine: z [T, Din] -> [T, Din].
 
     Pallas with at most ``ROW_EXPERT_MAX_PAIRS`` pairs (decode): the pairs stay in (token, choice) order and
-    each row names its expert, so no sort, gather, group count or scatter runs around the expert GEMMs. The
-    gated activation runs inside the down projection's kernel (Pallas) on the gate/up product."""
+    each row names its expert, so no sort, gather, group count or scatter runs around the expert GEMMs."""
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
     dtype = z.dtype
@@ -143,8 +142,8 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     else:
         order = jnp.argsort(flat, stable=True)
         xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))
-    gate_up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows).astype(dtype)  # [M, 2F]
-    ys = _expert_matmul(p, ("w2",), j, gate_up, impl, x_glu=glu_spec(cfg), **rows).astype(F32)
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows)
+    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows)
     y = ys if order is None else jnp.zeros_like(ys).at[order].set(ys)  # back to (token, choice) order
     return jnp.einsum("tkd,tk->td", y.reshape(t_rows, k, -1), weights).astype(dtype)
 

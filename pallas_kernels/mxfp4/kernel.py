@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.activations import glu_activation
 from pallas_kernels.impl import interpret_mode
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
@@ -51,7 +50,7 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs, split_k, part_tiles, x_repeat, x_glu):
+                    weights_lhs, split_k, part_tiles, x_repeat):
     *w_refs, o_ref = refs
     per_part = len(w_refs) // len(part_tiles)  # arrays per weight matrix: 1 (bf16) or 2 (packed + scales)
     t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -68,16 +67,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
     row_mask = (first_row + jnp.arange(block_m)) < end_row
     if not x_repeat:
         x_rows, x_mask = rows, row_mask
-    dim_k = x_ref.shape[1] // 2 if x_glu else x_ref.shape[1]
-    num_k = dim_k // block_k // split_k  # K steps of this program, from ``split * num_k``
-
-    def x_tile(k):  # x.dtype [block_m, block_k]; with x_glu, act(gate) * up of x's two halves
-        def load(first_col):
-            return pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(first_col + k * block_k, block_k), block_k)],
-                                 mask=x_mask[:, None], other=0.0)
-        if not x_glu:
-            return load(0)
-        return glu_activation(load(0), load(dim_k), x_glu).astype(x_ref.dtype)
+    num_k = x_ref.shape[1] // block_k // split_k  # K steps of this program, from ``split * num_k``
 
     def weight_tile(part_refs, cols, k):  # bf16 [block_n, block_k]
         k_cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
@@ -97,7 +87,8 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
         def body(k, acc):
-            x = x_tile(k)
+            x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
+                              mask=x_mask[:, None], other=0.0)
             if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
                 return acc + jnp.dot(weight_tile(part_refs, cols, k), x.T, preferred_element_type=jnp.float32)
             return acc + jnp.dot(x, weight_tile(part_refs, cols, k).T, preferred_element_type=jnp.float32)
@@ -150,12 +141,11 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k", "per_row", "x_glu"))
+                                             "num_stages", "weights_lhs", "split_k", "per_row"))
 def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
                                expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                                block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                               weights_lhs: bool = False, split_k: int = 1, per_row: bool = False,
-                               x_glu: tuple = ()) -> jax.Array:
+                               weights_lhs: bool = False, split_k: int = 1, per_row: bool = False) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
     side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
@@ -165,12 +155,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     with ``r = M / x.shape[0]`` (x's rows each used by r consecutive output rows, as ``jnp.repeat(x, r, 0)``
     would give, without materialising it: the (token, choice) pairs of a decode step). For a few decode rows
     this needs no sort, gather or scatter around the call; an expert shared by several rows is read once per
-    row.
-
-    ``x_glu`` (an activation spec of :func:`pallas_kernels.activations.glu_activation`): x is ``[M, 2K]``, gate
-    then up, and the GEMM's input is ``act(gate) * up`` rounded to x's dtype, computed as its tiles load (the MoE
-    down projection after the gate/up one: no separate activation kernel between them)."""
-    dim_k = x.shape[1] // 2 if x_glu else x.shape[1]
+    row."""
+    dim_k = x.shape[1]
     num_rows = group_sizes.shape[0] if per_row else x.shape[0]
     if per_row and num_rows % x.shape[0]:
         raise ValueError(f"row_experts has {num_rows} rows, not a multiple of x's {x.shape[0]}")
@@ -188,7 +174,7 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs,
                                split_k=split_k, part_tiles=tuple(n // block_n for n in widths),
-                               x_repeat=num_rows // x.shape[0] if per_row else 0, x_glu=x_glu)
+                               x_repeat=num_rows // x.shape[0] if per_row else 0)
     out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
         (num_rows, split_k * dim_n), jnp.float32)
     result = pl.pallas_call(

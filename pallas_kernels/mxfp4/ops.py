@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from kimi_jax.quant.mxfp4 import dequantize
-from pallas_kernels.activations import glu_of_halves
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_matmul_reference, rows_matmul_reference
@@ -45,10 +44,6 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     # 11.7 / 9.1 / 8.4 us in 1 / 2 / 4; 8 experts of N=1024 (128 programs) 11.2 whole, 12.5 split in 2.
     programs = min(num_rows, num_experts) * (dim_n // cfg["block_n"])
     steps = dim_k // cfg["block_k"]
-    if cfg.get("weights_lhs") and steps <= 8:
-        # Short K loops fill a 4-deep pipeline for little work: one MoE down projection at decode (8 rows of
-        # 8 experts, K=1024, N=2304) 14.1 -> 11.5 us with 3 stages on the H200 (session 8 probe).
-        cfg["num_stages"] = 3
     if programs < SPLIT_K_BELOW_PROGRAMS and steps > 1:
         want = -(-SPLIT_K_BELOW_PROGRAMS // programs)
         cfg["split_k"] = next((d for d in range(want, steps) if steps % d == 0), steps)
@@ -80,18 +75,16 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
 
 def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
                                 group_sizes: jax.Array | None = None, *, row_experts: jax.Array | None = None,
-                                layer: int | None = None, x_glu: tuple = (), impl: str | None = None) -> jax.Array:
+                                layer: int | None = None, impl: str | None = None) -> jax.Array:
     """:func:`mxfp4_grouped_matmul` against several ``(packed, scales)`` matrices of the same K (e.g. the gate
     and up projections): their products side by side, ``[M, sum N_i]``, from one kernel launch.
 
     Instead of ``group_sizes`` (rows sorted by expert), ``row_experts [M]`` int32 may name each output row's
     expert (rows in any order, each row its own tile, x's rows each used by ``M / len(x)`` consecutive output
-    rows; for a few decode rows, see :func:`grouped_matmul_concat`). ``x_glu`` as in
-    :func:`grouped_matmul_concat`."""
+    rows; for a few decode rows, see :func:`grouped_matmul_concat`)."""
     groups, per_row = _groups(group_sizes, row_experts, x)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        x = _activated(x, x_glu)
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         return jnp.concatenate([product(x, jnp.swapaxes(dequantize(pick(p), pick(s), jnp.float32), 1, 2), groups)
                                 for p, s in matrices], axis=-1)
@@ -99,10 +92,8 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     matrices = tuple(zip(flat[0::2], flat[1::2]))
     widths = tuple(p.shape[1] for p, _ in matrices)
     rows = groups.shape[0] if per_row else x.shape[0]
-    cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), _input_width(x, x_glu), "mxfp4",
-                      widths)
-    return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format="mxfp4", per_row=per_row,
-                                      x_glu=x_glu, **cfg)
+    cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), x.shape[1], "mxfp4", widths)
+    return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format="mxfp4", per_row=per_row, **cfg)
 
 
 def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None, x: jax.Array) -> tuple[jax.Array, bool]:
@@ -112,18 +103,6 @@ def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None, x: jax
     if row_experts is not None and row_experts.shape[0] % x.shape[0]:
         raise ValueError(f"row_experts has {row_experts.shape[0]} rows, not a multiple of x's {x.shape[0]}")
     return (group_sizes, False) if row_experts is None else (row_experts, True)
-
-
-def _input_width(x: jax.Array, x_glu: tuple) -> int:
-    """The GEMM's K: x's width, or half of it when x holds gate and up for ``x_glu``."""
-    if x_glu and x.shape[1] % 2:
-        raise ValueError(f"x_glu needs x of gate and up halves, got width {x.shape[1]}")
-    return x.shape[1] // 2 if x_glu else x.shape[1]
-
-
-def _activated(x: jax.Array, x_glu: tuple) -> jax.Array:
-    """The GEMM's input on the reference path: x, or ``act(gate) * up`` of its halves."""
-    return glu_of_halves(x, x_glu) if x_glu else x
 
 
 def _repeat_rows(x: jax.Array, row_experts: jax.Array) -> jax.Array:
@@ -159,7 +138,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
 
 def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: jax.Array | None = None, *,
                           row_experts: jax.Array | None = None, transpose_rhs: bool = False,
-                          layer: int | None = None, x_glu: tuple = (), impl: str | None = None) -> jax.Array:
+                          layer: int | None = None, impl: str | None = None) -> jax.Array:
     """:func:`grouped_matmul` against several weights of the same K and leading shape: ``[M, sum N_i]``, the
     products side by side, from one kernel launch (Pallas).
 
@@ -167,22 +146,17 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     expert: rows in any order, ``x[m // r] @ w[row_experts[m]]`` with ``r = M / len(x)`` (each x row feeds r
     consecutive output rows, e.g. a token's k expert choices, without materialising the repeat), each row its
     own tile. At decode (a few (token, expert) pairs) this saves the sort, gather, group counting and scatter
-    around the call; an expert named by several rows is read once per row, so it suits only a few rows.
-
-    ``x_glu`` (an activation spec of :func:`pallas_kernels.activations.glu_activation`): x is ``[M, 2K]``, gate
-    then up, and the product is of ``act(gate) * up`` (in x's dtype), which the kernel computes as it loads x."""
+    around the call; an expert named by several rows is read once per row, so it suits only a few rows."""
     groups, per_row = _groups(group_sizes, row_experts, x)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        x = _activated(x, x_glu)
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         return jnp.concatenate([product(x, jnp.swapaxes(pick(w), 1, 2) if transpose_rhs else pick(w), groups)
                                 for w in ws], axis=-1)
     ws, offset = _flatten_layers(layer, *ws)
     widths = tuple(w.shape[1] if transpose_rhs else w.shape[2] for w in ws)
-    dim_k = _input_width(x, x_glu)
+    dim_k = ws[0].shape[2] if transpose_rhs else ws[0].shape[1]
     rows = groups.shape[0] if per_row else x.shape[0]
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
     return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), groups, offset,
-                                      weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row,
-                                      x_glu=x_glu, **cfg)
+                                      weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row, **cfg)
