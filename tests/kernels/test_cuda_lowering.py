@@ -54,12 +54,6 @@ def grouped_gemm(x, w1, w3, row_experts):
                                                   weights_lhs=True, num_stages=4)
 
 
-def grouped_gemm_glu(x, w2, row_experts):  # the MoE down projection at decode, SiTU-GLU applied as x loads
-    return gemm_kernel.grouped_gemm_concat_pallas(x, ((w2,),), row_experts, 256, weight_format="bf16", per_row=True,
-                                                  block_m=16, block_n=64, block_k=128, weights_lhs=True,
-                                                  num_stages=3, x_glu=("situ", 8.0, 16.0))
-
-
 KDA_DECODE_ARGS = [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32), S((9, 3, 12288), jnp.float32),
                    S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16), S((3, 32), jnp.float32),
                    S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32), S((2,), jnp.int32),
@@ -81,8 +75,6 @@ CASES = {
                            [S((16, 32, 192), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
     "mla_absorb_outputs": (functools.partial(mla_absorb.absorb_outputs_pallas, layer=6, v_dim=128),
                            [S((1, 32, 512), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
-    "grouped_gemm_per_row_glu": (grouped_gemm_glu, [S((8, 2048), jnp.bfloat16), S((768, 1024, 2304), jnp.bfloat16),
-                                                    S((8,), jnp.int32)]),
 }
 
 
