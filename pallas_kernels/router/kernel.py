@@ -7,7 +7,7 @@ XLA runs a decode step's router as about seven kernels per MoE layer (H200 trace
 1. ``_logits_kernel``, grid ``(row tiles, E / block_e, split_d)``: fp32 partial logits of 16 rows for one expert
    block over one part of D (IEEE fp32 dot), into ``[split_d, T, E]``; split over D so that small steps still
    spread the router weight's bytes over about ``TARGET_PROGRAMS`` programs.
-2. ``_topk_kernel``, grid ``(T,)``: the partial sums (loaded at once) added, sigmoid, plus bias, ``k`` rounds of (maximum, lowest
+2. ``_topk_kernel``, grid ``(T,)``: the partial sums added, sigmoid, plus bias, ``k`` rounds of (maximum, lowest
    index holding it, mask it out), the chosen unbiased scores renormalised and scaled.
 """
 
@@ -42,17 +42,16 @@ def _logits_kernel(x_ref, w_ref, o_ref, *, layer, block_d, block_e, steps):
     pltriton.store(o_ref.at[part, rows, cols], acc, mask=row_mask[:, None])
 
 
-def _topk_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, layer, k, width, k_width, split_width, renormalize,
-                 scaling):
+def _topk_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, layer, k, width, k_width, renormalize, scaling):
     row = pl.program_id(0)
     experts = partial_ref.shape[2]
     lanes = jnp.arange(width)
     valid = lanes < experts
 
-    # every partial row in one load (a loop of dependent loads took most of the kernel's ~6 us on the H200)
-    parts = pltriton.load(partial_ref.at[pl.ds(0, split_width), row, pl.ds(0, width)],
-                          mask=(jnp.arange(split_width) < partial_ref.shape[0])[:, None] & valid[None, :], other=0.0)
-    logits = jnp.sum(parts, axis=0)
+    def add_part(s, acc):
+        return acc + pltriton.load(partial_ref.at[s, row, pl.ds(0, width)], mask=valid, other=0.0)
+
+    logits = jax.lax.fori_loop(0, partial_ref.shape[0], add_part, jnp.zeros((width,), jnp.float32))
     scores = jax.nn.sigmoid(logits)
     bias = pltriton.load(bias_ref.at[jnp.int32(layer), pl.ds(0, width)], mask=valid, other=0.0)
     choice = jnp.where(valid, scores + bias.astype(jnp.float32), -jnp.inf)
@@ -108,8 +107,7 @@ def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int
     outs = (jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32))
     return pl.pallas_call(
         functools.partial(_topk_kernel, layer=layer, k=k, width=pl.next_power_of_2(experts),
-                          k_width=pl.next_power_of_2(k), split_width=pl.next_power_of_2(split),
-                          renormalize=renormalize, scaling=scaling),
+                          k_width=pl.next_power_of_2(k), renormalize=renormalize, scaling=scaling),
         out_shape=outs, grid=(rows,), in_specs=[whole(partial), whole(bias)],
         out_specs=tuple(whole(o) for o in outs),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
