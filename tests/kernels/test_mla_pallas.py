@@ -20,6 +20,13 @@ SCALE = W**-0.5
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
+@pytest.fixture(autouse=True)
+def ieee_fp32_products():
+    """fp32 products in IEEE fp32 on every backend (on GPU, XLA's and the interpreted kernel's default is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _attend(batch, impl, **kwargs):
     args = map(jnp.asarray, (batch.q, batch.pages, batch.block_tables, batch.context_lens, batch.cu_q_lens))
     if impl == "reference":
