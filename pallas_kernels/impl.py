@@ -38,3 +38,14 @@ def layer_stacks(layer: int | None, *arrays: jax.Array) -> tuple[tuple[jax.Array
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer={layer} outside the stack's {num_layers} layers")
     return arrays, int(layer)
+
+
+def mma_block(size: int, largest: int) -> int:
+    """A kernel's tile along a dimension: the largest power of two <= ``largest`` dividing ``size``; at least 16
+    (the Triton dot's minimum), else ValueError."""
+    block = largest
+    while size % block:
+        block //= 2
+    if block < 16:
+        raise ValueError(f"{size} is not a multiple of 16")
+    return block

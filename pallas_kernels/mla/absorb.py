@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.impl import interpret_mode
+from pallas_kernels.impl import interpret_mode, mma_block
 
 BLOCK_T = 16  # query rows per program (the MMA's minimum; decode steps have 1-16)
 
@@ -66,16 +66,6 @@ def _absorb_o_kernel(x_ref, w_ref, o_ref, *, layer, block_v, block_k, width, k_n
                    mask=row_mask[:, None])
 
 
-def _block(size: int, largest: int) -> int:
-    """The largest power of two <= ``largest`` (and >= 16) dividing ``size``."""
-    block = largest
-    while size % block:
-        block //= 2
-    if block < 16:
-        raise ValueError(f"{size} is not a multiple of 16")
-    return block
-
-
 def _check(x: jax.Array, kv_b: jax.Array, layer: int) -> int:
     """-> per-head column width C of kv_b."""
     heads = x.shape[1]
@@ -95,7 +85,7 @@ def absorb_queries_pallas(q: jax.Array, kv_b: jax.Array, *, layer: int, k_nope: 
     rank = kv_b.shape[1]
     if not 0 < k_nope < q_width or k_nope > width:
         raise ValueError(f"k_nope={k_nope} does not fit q {q.shape} / kv_b {kv_b.shape}")
-    block_r = _block(rank, block_r)
+    block_r = mma_block(rank, block_r)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     out = jax.ShapeDtypeStruct((tokens, heads, rank + q_width - k_nope), q.dtype)
     return pl.pallas_call(
@@ -115,7 +105,7 @@ def absorb_outputs_pallas(o_lat: jax.Array, kv_b: jax.Array, *, layer: int, v_di
     width = _check(o_lat, kv_b, layer)
     if kv_b.shape[1] != rank or not 0 < v_dim < width:
         raise ValueError(f"o_lat {o_lat.shape} / v_dim={v_dim} do not match kv_b {kv_b.shape}")
-    block_v, block_k = _block(v_dim, block_v), _block(rank, block_k)
+    block_v, block_k = mma_block(v_dim, block_v), mma_block(rank, block_k)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     out = jax.ShapeDtypeStruct((tokens, heads, v_dim), jnp.float32)
     return pl.pallas_call(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.impl import interpret_mode
+from pallas_kernels.impl import interpret_mode, mma_block
 
 BLOCK_T = 16  # rows per logits program (the MMA's minimum)
 TARGET_PROGRAMS = 128  # about one per SM of the H200
@@ -72,16 +72,6 @@ def _topk_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, layer, k, width
     pltriton.store(ids_ref.at[row, out], ids, mask=slots < k)
 
 
-def _block(size: int, largest: int) -> int:
-    """The largest power of two <= ``largest`` (and >= 16) dividing ``size``."""
-    block = largest
-    while size % block:
-        block //= 2
-    if block < 16:
-        raise ValueError(f"{size} is not a multiple of 16")
-    return block
-
-
 @functools.partial(jax.jit, static_argnames=("layer", "k", "renormalize", "scaling"))
 def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int, k: int, renormalize: bool,
                  scaling: float) -> tuple[jax.Array, jax.Array]:
@@ -89,7 +79,7 @@ def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int
     ``router [L, D, E]``, ``bias [L, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)``."""
     rows, dim = x.shape
     experts = router.shape[2]
-    block_e, block_d = _block(experts, 64), _block(dim, 64)
+    block_e, block_d = mma_block(experts, 64), mma_block(dim, 64)
     tiles = pl.cdiv(rows, BLOCK_T)
     steps_total = dim // block_d
     base = tiles * (experts // block_e)
