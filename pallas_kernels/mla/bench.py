@@ -4,7 +4,8 @@ Run on the GPU machine: ``PYTHONPATH=. python3 pallas_kernels/mla/bench.py`` (wr
 One run measures, in order: the copy bandwidth and bf16 matmul rate (the roofline ceilings), correctness of
 every kernel against the fp32 XLA reference, a decode tiling sweep per head count, 8K-token prefill (absorbed
 and un-absorbed) over 0 / 32K cached tokens, then the decode grid (H x batch x context, XLA reference at batch
-16, fp8 cache at 32K). Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64,
+16, fp8 cache at 32K), the short-cache decode tilings with 16-token pages (batch 1 and 16 over 560 / 4096
+tokens, H=32) and the absorption kernels against XLA's einsums (``--sections short_decode,absorb`` for those). Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64,
 K_nope=V=128, block_size=64, scale=192**-0.5. Without the ``sweep`` section the decode grid uses
 ``choose_tiling``'s defaults. Prefill times every tiling at 0 cached tokens and the two fastest of each form at
 32K. The JSON is rewritten after every row (a timeout keeps what was measured).
@@ -62,14 +63,14 @@ def ceilings() -> dict:
     return {"copy_bytes_per_s": copy_bw, "bf16_matmul_flops_per_s": 2 * MATMUL_N**3 / mm_s}
 
 
-def make_cache(key, context_lens, *, dtype=jnp.bfloat16):
+def make_cache(key, context_lens, *, dtype=jnp.bfloat16, block_size=BLOCK_SIZE):
     """Pages for requests of the given lengths, pages shuffled over the pool (block 0 scratch)."""
     context_lens = np.asarray(context_lens, np.int32)
-    pages_per_seq = -(-context_lens // BLOCK_SIZE)
+    pages_per_seq = -(-context_lens // block_size)
     max_pages = int(pages_per_seq.max())
     num_blocks = 1 + int(pages_per_seq.sum())
     k_pages, k_perm = jax.random.split(key)
-    pages = jax.random.normal(k_pages, (num_blocks, BLOCK_SIZE, W), dtype)
+    pages = jax.random.normal(k_pages, (num_blocks, block_size, W), dtype)
     perm = np.asarray(jax.random.permutation(k_perm, num_blocks - 1)) + 1
     tables = np.zeros((len(context_lens), max_pages), np.int32)
     start = 0
@@ -305,7 +306,58 @@ def print_tables(report: dict) -> None:
         print(r)
 
 
-SECTIONS = ("correctness", "sweep", "prefill", "decode")
+SHORT_DECODE_CASES = ((1, 560), (1, 4096), (16, 560))  # (batch, cached tokens): the engine's decode at H=32
+SHORT_DECODE_TILINGS = [(bh, ns) for bh in (16, 32) for ns in (1, 2, 4, 8, 16, 32)]  # (block_h, num_splits)
+ABSORB_CASES = ((32, 1), (32, 16), (96, 1), (96, 16))  # (heads, query rows)
+
+
+def run_short_decode(report: dict) -> None:
+    """Decode over short caches with the engine's 16-token pages (Kimi-Linear, H=32): every (heads per
+    program, splits) tiling against choose_tiling's pick; profiler device time of the kernel + merge."""
+    report["short_decode"] = []
+    for batch, context in SHORT_DECODE_CASES:
+        pages, tables, ctx = make_cache(jax.random.key(context), [context] * batch, block_size=16)
+        q = jax.random.normal(jax.random.key(1), (batch, 32, W), jnp.bfloat16)
+        cu = jnp.arange(batch + 1, dtype=jnp.int32)
+        for tiling in SHORT_DECODE_TILINGS + [None]:
+            knobs = {} if tiling is None else dict(block_h=tiling[0], num_splits=tiling[1])
+
+            def measure(row, knobs=knobs):
+                fn = jax.jit(lambda *a: mla_paged_attention_pallas(*a, scale=SCALE, kv_lora_rank=R, **knobs))
+                row["us"] = sum(kernel_split_us(fn, (q, pages, tables, ctx, cu), repeats=10).values())
+
+            report["short_decode"].append(guarded({"B": batch, "ctx": context, **(knobs or {"tiling": "auto"})},
+                                                  measure))
+
+
+def run_absorb(report: dict, ceil: dict) -> None:
+    """The absorbed form's per-head up-projections at decode sizes: XLA's einsums against the Pallas kernels
+    (profiler device time; roofline: W_UK or W_UV read once at the copy bandwidth)."""
+    from pallas_kernels.mla import absorb_outputs_reference, absorb_queries_reference
+    from pallas_kernels.mla.absorb import absorb_outputs_pallas, absorb_queries_pallas
+
+    report["absorb"] = []
+    for num_heads, rows in ABSORB_CASES:
+        kv_b = jax.random.normal(jax.random.key(num_heads), (2, R, num_heads * (K_NOPE + V_DIM)), jnp.bfloat16)
+        q = jax.random.normal(jax.random.key(rows), (rows, num_heads, K_NOPE + K_ROPE), jnp.bfloat16)
+        o_lat = jax.random.normal(jax.random.key(rows + 1), (rows, num_heads, R), jnp.bfloat16)
+        roof_us = R * num_heads * K_NOPE * 2 / ceil["copy_bytes_per_s"] * 1e6
+        for name, args, xla, ours in (
+                ("queries", (q, kv_b), lambda q, w: absorb_queries_reference(q, w, layer=1, k_nope=K_NOPE),
+                 lambda q, w: absorb_queries_pallas(q, w, layer=1, k_nope=K_NOPE)),
+                ("outputs", (o_lat, kv_b), lambda o, w: absorb_outputs_reference(o, w, layer=1, v_dim=V_DIM),
+                 lambda o, w: absorb_outputs_pallas(o, w, layer=1, v_dim=V_DIM))):
+
+            def measure(row, args=args, xla=xla, ours=ours):
+                got, want = jax.jit(ours)(*args), jax.jit(xla)(*args)
+                row["max_rel_err"] = rel_err(got, want)
+                row["xla_us"] = sum(kernel_split_us(jax.jit(xla), args, repeats=10).values())
+                row["pallas_us"] = sum(kernel_split_us(jax.jit(ours), args, repeats=10).values())
+
+            report["absorb"].append(guarded({"form": name, "H": num_heads, "T": rows, "roof_us": roof_us}, measure))
+
+
+SECTIONS = ("correctness", "sweep", "prefill", "decode", "short_decode", "absorb")
 
 
 def main() -> None:
@@ -344,6 +396,12 @@ def main() -> None:
         save()
     if "decode" in sections:
         run_decode(report, ceil, best, over, save)
+    if "short_decode" in sections:
+        run_short_decode(report)
+        save()
+    if "absorb" in sections:
+        run_absorb(report, ceil)
+        save()
     report["elapsed_s"] = time.perf_counter() - t0
     save()
     print_tables(report)
