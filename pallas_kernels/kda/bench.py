@@ -451,7 +451,7 @@ def suite_cases(suite, rng):
     if suite == "quick":
         return ([("H32 T8K", [8192], 32, 32, LOWER_BOUND, True),
                  ("varlen8 H12 1-4K", list(rng.integers(1024, 4097, 8)), 12, 12, LOWER_BOUND, False)],
-                [(64, 32, jnp.float32, True), (64, 32, jnp.bfloat16, False)])
+                [(64, 32, jnp.float32, True), (64, 32, jnp.bfloat16, False), (1, 32, jnp.float32, False)])
     # full: the XLA reference everywhere but H=96 T=32K (its compile + run would not fit the call's budget)
     prefill = [(f"H{h} T{t // 1024}K", [t], h, h, LOWER_BOUND, not (h == 96 and t == 32768))
                for h in (12, 32, 96) for t in (1024, 8192, 32768)]
