@@ -5,8 +5,8 @@ Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp
 Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
-per format (``SWEEPS``) plus ``tile_config``'s default; past ``BENCH_DEADLINE_S`` only the defaults. The JSON is
-rewritten after every case.
+per format (``SWEEPS``) plus ``tile_config``'s default; past ``BENCH_DEADLINE_S`` only the defaults. Then
+Kimi-Linear's per-row expert GEMMs at batch-1 decode (pipeline depth). The JSON is rewritten after every case.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.bench_timing import copy_bandwidth, timed
-from pallas_kernels.mxfp4.kernel import grouped_gemm_pallas
+from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us, timed
+from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas
 from pallas_kernels.mxfp4.ops import tile_config
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
 
@@ -215,6 +215,30 @@ def dense_case(rng):
     return out
 
 
+PER_ROW_LAUNCHES = 6  # launches per timed call, each on other experts: more weight bytes than the L2 holds
+
+
+def per_row_case(name, widths, k, record):
+    """Kimi-Linear's routed experts at batch-1 decode as the engine runs them: 8 (token, choice) rows, each its own
+    expert (``per_row``), bf16. tile_config's pick against 3 and 4 pipeline stages; profiler device time per
+    launch, copy-bandwidth share of the 8 experts' bytes."""
+    key = jax.random.key(k)
+    x = jax.random.normal(key, (1, k), jnp.bfloat16)
+    weights = tuple((jax.random.normal(jax.random.fold_in(key, i), (256, k, n), jnp.bfloat16) * 0.02,)
+                    for i, n in enumerate(widths))
+    experts = [(jnp.arange(8, dtype=jnp.int32) * 5 + 41 * i) % 256 for i in range(PER_ROW_LAUNCHES)]
+    default = tile_config(8, 8, sum(widths), k, "bf16", tuple(widths))
+    row = dict(case=name, n=list(widths), k=k, weight_bytes=8 * k * sum(widths) * 2, default=default)
+    for label, cfg in (("default", default), ("stages3", {**default, "num_stages": 3}),
+                       ("stages4", {**default, "num_stages": 4})):
+        def launches(x, weights, experts, cfg=tuple(cfg.items())):
+            return [grouped_gemm_concat_pallas(x, weights, e, 0, weight_format="bf16", per_row=True, **dict(cfg))
+                    for e in experts]
+        row[f"{label}_us"] = sum(kernel_split_us(jax.jit(launches), (x, weights, experts), 10).values()) / len(experts)
+    record.append(row)
+    print(row, flush=True)
+
+
 def main():
     rng = np.random.default_rng(0)
     result = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
@@ -253,6 +277,10 @@ def main():
     for tokens in (1, 16, 64):  # Kimi-Linear-48B experts as the engine calls them: w1 / w3 N=1024, K=2304, top-8
         bench_case(rng, tokens, 256, 1024, 2304, "decode", cases, total=256, top_k=8)
         save()
+    per_row = result["per_row_decode"] = []
+    per_row_case("Kimi-Linear w1+w3, 8 rows", (1024, 1024), 2304, per_row)
+    per_row_case("Kimi-Linear w2, 8 rows", (2304,), 1024, per_row)
+    save()
     bw, rate = result["copy_bandwidth_Bps"], result["bf16_matmul_flops"]
     print(f"\n{'T':>5} {'E':>4} {'M':>5} {'N':>5} {'K':>5} | {'mxfp4 us':>9} {'%copyBW':>7} {'%bf16mm':>7} "
           f"{'cfg':>18} | {'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
