@@ -82,7 +82,7 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
                                              scale=scale, impl=impl)
         attn = o.astype(F32).reshape(t_rows, h * vd)
     elif form == "absorbed":
-        q_abs = mla_ops.absorb_queries(q.astype(x.dtype), p.kv_b[...], layer=j, k_nope=kn, impl=impl)
+        q_abs = mla_ops.absorb_queries(q, p.kv_b[...], layer=j, k_nope=kn, impl=impl)
         o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, step.block_tables, total, step.cu_seqlens,
                                                scale=scale, kv_lora_rank=r, page_scales=scales, layer=j,
                                                impl=impl)

@@ -36,7 +36,8 @@ def _absorb_q_kernel(q_ref, w_ref, o_ref, *, layer, block_r, width, k_nope):
     head, r_block, t_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(t_block * BLOCK_T, BLOCK_T)
     row_mask = (t_block * BLOCK_T + jnp.arange(BLOCK_T)) < q_ref.shape[0]
-    rank, k_rope = o_ref.shape[2] - (q_ref.shape[2] - k_nope), q_ref.shape[2] - k_nope
+    k_rope = q_ref.shape[2] - k_nope
+    rank = o_ref.shape[2] - k_rope
     q = pltriton.load(q_ref.at[rows, head, pl.ds(0, k_nope)], mask=row_mask[:, None], other=0.0)
     r_cols = pl.ds(pl.multiple_of(r_block * block_r, block_r), block_r)
     w = w_ref[layer, r_cols, pl.ds(head * width, k_nope)]  # [block_r, Kn]

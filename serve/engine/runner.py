@@ -322,9 +322,9 @@ class ModelRunner:
 
     def _run_each_step_once(self) -> None:
         """Run every compiled step once on its all-padding batch, which reads and writes only the reserved entry
-        0 of each pool. A step that cannot run (out of device memory: its temporaries, or a buffer XLA adds that
-        the memory analysis does not show; BENCHMARKS.md session 7) then fails at start-up with its bucket named,
-        not at the first request that needs it. On GPU this also records each step's CUDA graph before serving."""
+        0 of each pool. A step that cannot run (e.g. out of device memory at run time, which the compile-time
+        memory check can miss) then fails at start-up with its bucket named, not at the first request that needs
+        it. On GPU this also records each step's CUDA graph before serving."""
         for key, step in self._steps.items():
             tokens, seqs, pages, decode_only, greedy_only = key
             self._buffers[key[:4]].reset()
