@@ -19,7 +19,7 @@ from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
 from kimi_jax.step import HybridCache, StepInputs, token_layout
 from pallas_kernels.attnres import attnres_mix
-from pallas_kernels.rmsnorm import add_rms_norm
+from pallas_kernels.rmsnorm import PartialSum, add_rms_norm, total
 
 NORM_KERNEL_MAX_ROWS = 256
 """Steps of up to this many tokens run each residual add + RMSNorm as one op of ``impl`` (the Pallas kernel on
@@ -103,7 +103,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     mix = _Mixer(cfg.rms_norm_eps, impl)
     dtype = x.dtype
 
-    def attention(i: int, h: jax.Array) -> jax.Array:
+    def attention(i: int, h: jax.Array) -> jax.Array | PartialSum:
         nonlocal state, conv, pages, scales
         if cfg.layer_types[i] == "kda":
             out, state, conv = kda_layer(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
@@ -112,7 +112,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
                                        form=mla_form)
         return out
 
-    def ffn(i: int, h: jax.Array) -> jax.Array:
+    def ffn(i: int, h: jax.Array) -> jax.Array | PartialSum:
         if cfg.mlp_types[i] == "dense":
             return dense_mlp(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
         return moe(model.moe, moe_j[i], h, cfg, impl=impl)
@@ -127,14 +127,15 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
                 blocks.append(partial)
                 partial = jnp.zeros_like(partial)
             a = attention(i, rms_norm(h.astype(dtype), model.input_norm[i], cfg.rms_norm_eps))
-            partial = partial + a.astype(F32)
+            partial = partial + total(a, F32)
             h = mix(blocks, partial, ar.mlp_query[i], ar.mlp_norm[i])
             f = ffn(i, rms_norm(h.astype(dtype), model.post_attn_norm[i], cfg.rms_norm_eps))
-            partial = partial + f.astype(F32)
+            partial = partial + total(f, F32)
         rows = step.logits_indices
         final = mix([b[rows] for b in blocks], partial[rows], ar.out_query, ar.out_norm)
         hidden = rms_norm(final.astype(dtype), model.norm, cfg.rms_norm_eps)
-    else:  # each residual add and the norm after it in one op (one kernel at decode sizes)
+    else:  # each residual add and the norm after it in one op (one kernel at decode sizes, which also takes the
+        # sublayers' unsummed partial products: PartialSum)
         norm_impl = impl if x.shape[0] <= NORM_KERNEL_MAX_ROWS else "reference"
 
         def add_norm(x, delta, weight, layer=None):  # the stacked norms' rows are read in place (no slice copy)

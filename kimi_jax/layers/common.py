@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.impl import resolve_impl
+from pallas_kernels.rmsnorm import PartialSum
 
 F32 = jnp.float32
 CHUNK_ELEMENTS = 1 << 26  # random parameters larger than this are drawn one trailing matrix at a time
@@ -47,6 +48,21 @@ def stacked_linears(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, *,
                                      impl="pallas").astype(x.dtype)
         return split_columns(both, [s.shape[-1] for s in stacks])
     return [linear(x, s[j]) for s in stacks]
+
+
+def stacked_linear_unsummed(x: jax.Array, stack: jax.Array, j: int, *,
+                            impl: str | None = None) -> jax.Array | PartialSum:
+    """:func:`stacked_linear` for a layer's last projection: on the skinny path its split-K partial products
+    are left for the residual add + RMSNorm kernel to add (a :class:`PartialSum`, saving XLA's reduction in
+    front of it); elsewhere the array."""
+    if x.ndim == 2 and x.shape[0] <= SKINNY_MAX_ROWS and resolve_impl(impl) == "pallas":
+        from pallas_kernels.mxfp4 import grouped_matmul_concat
+
+        rows = jnp.full((1,), x.shape[0], jnp.int32)
+        parts = grouped_matmul_concat(x.astype(stack.dtype), [stack[:, None]], rows, layer=j, impl="pallas",
+                                      sum_splits=False)
+        return PartialSum.of((parts, None))
+    return linear(x, stack[j])
 
 
 def split_columns(y: jax.Array, widths: list[int]) -> list[jax.Array]:

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, normal, stacked_linear, stacked_linears
+from kimi_jax.layers.common import (F32, constant, fan_in_normal, normal, stacked_linear, stacked_linear_unsummed,
+                                    stacked_linears)
 from kimi_jax.step import StepInputs, TokenLayout
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.impl import resolve_impl
+from pallas_kernels.rmsnorm import PartialSum
 
 
 class KDAStack(nnx.Module):
@@ -92,11 +94,12 @@ def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
 
 def kda_layer(p: KDAStack, j: int, x: jax.Array, state: jax.Array, conv: jax.Array,
               step: StepInputs, layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+              ) -> tuple[jax.Array | PartialSum, jax.Array, jax.Array]:
     """KDA layer ``j`` on a packed step.
 
     x [T, D]; state [L, S, HV, K, V]; conv [L, S, W-1, C] (all KDA layers' pools) -> (out [T, D], state, conv)
-    with layer j's live slots (and requested checkpoint slots) updated.
+    with layer j's live slots (and requested checkpoint slots) updated; ``out`` may be a :class:`PartialSum`
+    (o_proj's split-K parts, see :func:`stacked_linear_unsummed`).
 
     The ops see the pools flattened to ``[L*S, ...]`` (a free reshape) with slot ids offset by ``j*S``: a slice
     ``state[j]`` handed to a Pallas call would be copied whole, twice per layer and step."""
@@ -153,7 +156,7 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
         lower_bound=cfg.kda_gate_lower_bound, checkpoint_positions=ck_rel if want_ck else None, impl=chunk_impl)
     o = o[0]  # [T, HV, V]
     y = gated_rms_norm(o, gate.reshape(t_rows, hv, v), p.o_norm[j], cfg.rms_norm_eps)
-    out = stacked_linear(y.reshape(t_rows, hv * v), p.o_proj, j, impl=impl)
+    out = stacked_linear_unsummed(y.reshape(t_rows, hv * v), p.o_proj, j, impl=impl)
 
     # Write back the live state of every sequence (padded sequences write their unchanged scratch slot).
     starts = step.cu_seqlens[:-1]
@@ -183,4 +186,4 @@ def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, c
         state_pool, slots, gate, p.o_norm[...], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps,
         split_v=kda_ops.decode_split_v(t_rows, cfg.kda_num_v_heads, cfg.kda_v_head_dim), layer=j,
         impl=impl)
-    return stacked_linear(y.astype(x.dtype), p.o_proj, j, impl=impl), state_pool, conv_pool
+    return stacked_linear_unsummed(y.astype(x.dtype), p.o_proj, j, impl=impl), state_pool, conv_pool

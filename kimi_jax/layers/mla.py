@@ -13,9 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import F32, constant, fan_in_normal, rms_norm, stacked_linear, stacked_linears
+from kimi_jax.layers.common import (F32, constant, fan_in_normal, rms_norm, stacked_linear, stacked_linear_unsummed,
+                                    stacked_linears)
 from kimi_jax.step import StepInputs, TokenLayout, slot_mapping
 from pallas_kernels import mla as mla_ops
+from pallas_kernels.rmsnorm import PartialSum
 
 
 class MLAStack(nnx.Module):
@@ -45,14 +47,14 @@ class MLAStack(nnx.Module):
 
 def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
               layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None,
-              form: str = "absorbed") -> tuple[jax.Array, jax.Array, jax.Array | None]:
+              form: str = "absorbed") -> tuple[jax.Array | PartialSum, jax.Array, jax.Array | None]:
     """MLA layer ``j`` on a packed step.
 
     x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written);
     scales [L_mla, num_blocks, block_size] f32 for an e4m3 ``pages`` (per-token quantisation), else None
-    -> (out [T, D], pages, scales). ``form``: "absorbed" (queries move to the latent space; decode) or
-    "unabsorbed" (the cached latents of each sequence are gathered and up-projected to per-head keys/values;
-    prefill)."""
+    -> (out [T, D] or a :class:`PartialSum` of o_proj's split-K parts, pages, scales). ``form``: "absorbed"
+    (queries move to the latent space; decode) or "unabsorbed" (the cached latents of each sequence are gathered
+    and up-projected to per-head keys/values; prefill)."""
     t_rows = x.shape[0]
     h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -91,4 +93,4 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
         raise ValueError(f"MLA form must be 'absorbed' or 'unabsorbed', got {form!r}")
     if cfg.mla_output_gate:
         attn = attn * jax.nn.sigmoid(gate[0].astype(F32))
-    return stacked_linear(attn.astype(x.dtype), p.o_proj, j, impl=impl), pages, scales
+    return stacked_linear_unsummed(attn.astype(x.dtype), p.o_proj, j, impl=impl), pages, scales

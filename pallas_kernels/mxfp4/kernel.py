@@ -141,11 +141,12 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k", "per_row"))
+                                             "num_stages", "weights_lhs", "split_k", "per_row", "sum_splits"))
 def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
                                expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                                block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                               weights_lhs: bool = False, split_k: int = 1, per_row: bool = False) -> jax.Array:
+                               weights_lhs: bool = False, split_k: int = 1, per_row: bool = False,
+                               sum_splits: bool = True) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
     side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
@@ -155,7 +156,10 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     with ``r = M / x.shape[0]`` (x's rows each used by r consecutive output rows, as ``jnp.repeat(x, r, 0)``
     would give, without materialising it: the (token, choice) pairs of a decode step). For a few decode rows
     this needs no sort, gather or scatter around the call; an expert shared by several rows is read once per
-    row."""
+    row.
+
+    ``sum_splits=False``: ``[M, split_k, sum N_i]`` instead, the split-K partial products unsummed (float32;
+    ``x.dtype`` when ``split_k == 1``), for a consumer that adds them itself (the residual add + RMSNorm)."""
     dim_k = x.shape[1]
     num_rows = group_sizes.shape[0] if per_row else x.shape[0]
     if per_row and num_rows % x.shape[0]:
@@ -187,6 +191,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         interpret=interpret_mode(),
         name=f"grouped_gemm_{weight_format}",
     )(schedule, offset, x, *flat)
+    if not sum_splits:
+        return result.reshape(num_rows, split_k, dim_n)
     if split_k == 1:
         return result
     return jnp.sum(result.reshape(num_rows, split_k, dim_n), axis=1).astype(x.dtype)

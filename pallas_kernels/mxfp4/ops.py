@@ -142,7 +142,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
 
 def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: jax.Array | None = None, *,
                           row_experts: jax.Array | None = None, transpose_rhs: bool = False,
-                          layer: int | None = None, impl: str | None = None) -> jax.Array:
+                          layer: int | None = None, impl: str | None = None, sum_splits: bool = True) -> jax.Array:
     """:func:`grouped_matmul` against several weights of the same K and leading shape: ``[M, sum N_i]``, the
     products side by side, from one kernel launch (Pallas).
 
@@ -150,17 +150,22 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     expert: rows in any order, ``x[m // r] @ w[row_experts[m]]`` with ``r = M / len(x)`` (each x row feeds r
     consecutive output rows, e.g. a token's k expert choices, without materialising the repeat), each row its
     own tile. At decode (a few (token, expert) pairs) this saves the sort, gather, group counting and scatter
-    around the call; an expert named by several rows is read once per row, so it suits only a few rows."""
+    around the call; an expert named by several rows is read once per row, so it suits only a few rows.
+
+    ``sum_splits=False``: ``[M, P, sum N_i]``, partial products that sum to the result (the kernel's split-K
+    parts, float32; ``P = 1`` on the reference path), for a consumer that adds them itself."""
     groups, per_row = _groups(group_sizes, row_experts, x)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
-        return jnp.concatenate([product(x, jnp.swapaxes(pick(w), 1, 2) if transpose_rhs else pick(w), groups)
-                                for w in ws], axis=-1)
+        out = jnp.concatenate([product(x, jnp.swapaxes(pick(w), 1, 2) if transpose_rhs else pick(w), groups)
+                               for w in ws], axis=-1)
+        return out if sum_splits else out[:, None, :]
     ws, offset = _flatten_layers(layer, *ws)
     widths = tuple(w.shape[1] if transpose_rhs else w.shape[2] for w in ws)
     dim_k = ws[0].shape[2] if transpose_rhs else ws[0].shape[1]
     rows = groups.shape[0] if per_row else x.shape[0]
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
     return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), groups, offset,
-                                      weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row, **cfg)
+                                      weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row,
+                                      sum_splits=sum_splits, **cfg)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 
 def add_rms_norm_reference(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
                            eps: float) -> tuple[jax.Array, jax.Array]:
-    """``x, delta [T, D]`` (same dtype), ``weight [D]`` -> ``(s, y)``: the residual sum ``s = x + delta``
-    rounded to ``x.dtype`` (``s = x`` when ``delta`` is None) and ``y = s * rsqrt(mean(s^2) + eps) * weight``
+    """``x, delta [T, D]`` (``delta`` in ``x.dtype`` or float32), ``weight [D]`` -> ``(s, y)``: the residual sum
+    ``s = x + delta`` taken in float32 and rounded once to ``x.dtype`` (``s = x`` when ``delta`` is None) and ``y = s * rsqrt(mean(s^2) + eps) * weight``
     computed in float32 from the rounded ``s``, in ``x.dtype``."""
     s = x if delta is None else (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
     sf = s.astype(jnp.float32)

@@ -17,6 +17,7 @@ from pallas_kernels.greedy import kernel as greedy_kernel
 from pallas_kernels.kda import recurrent as kda_recurrent
 from pallas_kernels.mla import absorb as mla_absorb
 from pallas_kernels.mxfp4 import kernel as gemm_kernel
+from pallas_kernels.rmsnorm import PartialSum
 from pallas_kernels.rmsnorm import kernel as rmsnorm_kernel
 from pallas_kernels.router import kernel as router_kernel
 
@@ -54,13 +55,20 @@ def grouped_gemm(x, w1, w3, row_experts):
                                                   weights_lhs=True, num_stages=4)
 
 
+def add_rms_norm_partials(x, split_parts, expert_rows, router_weights, norm_weight):
+    """A residual add + norm with split-K parts and router-weighted rows as its addend."""
+    partials = PartialSum.of((split_parts, None), (expert_rows, router_weights))
+    return rmsnorm_kernel.add_rms_norm_pallas(x, partials, norm_weight, eps=1e-6, layer=3)
+
+
 KDA_DECODE_ARGS = [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32), S((9, 3, 12288), jnp.float32),
                    S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16), S((3, 32), jnp.float32),
                    S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32), S((2,), jnp.int32),
                    S((2, 4096), jnp.bfloat16), S((3, 128), jnp.float32)]  # Kimi-Linear: H=32, K=V=128, 3 layers
 CASES = {
-    "add_rms_norm": (functools.partial(rmsnorm_kernel.add_rms_norm_pallas, eps=1e-6, layer=3),
-                     [S((1, 2304), jnp.bfloat16), S((1, 2304), jnp.bfloat16), S((4, 2304), jnp.float32)]),
+    "add_rms_norm": (add_rms_norm_partials,
+                     [S((1, 2304), jnp.bfloat16), S((1, 4, 2304), jnp.float32), S((1, 8, 2304), jnp.bfloat16),
+                      S((1, 8), jnp.float32), S((4, 2304), jnp.float32)]),
     "greedy": (greedy_kernel.greedy_pallas, [S((16, 163840), jnp.float32)]),
     "router_kimi_linear": (functools.partial(router_kernel.route_pallas, layer=2, k=8, renormalize=True,
                                              scaling=2.446),

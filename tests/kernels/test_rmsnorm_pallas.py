@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.rmsnorm import add_rms_norm
+from pallas_kernels.rmsnorm import PartialSum, add_rms_norm
 
 EPS = 1e-5
 
@@ -62,3 +62,44 @@ def test_shapes_are_checked():
         add_rms_norm(x, None, jnp.ones((2, 8)), eps=EPS)  # a stack needs a layer
     with pytest.raises(ValueError, match="layer=2"):
         add_rms_norm(x, None, jnp.ones((2, 8)), eps=EPS, layer=2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 100), (3, 256)])
+def test_partial_sum_addend(dtype, rows, dim, rng):
+    """A :class:`PartialSum` addend (split-K float32 parts; router-weighted expert rows in the activation dtype;
+    a plain array term) is added into the residual like its float64 total. The kernel and the reference sum
+    the float32 terms in different orders: allowed, float32 rounding of each of the 9 additions (bounded by
+    ``9 * 2**-24`` times the sum of the terms' magnitudes) plus one rounding step of ``dtype`` on the result."""
+    x = jnp.asarray(rng.standard_normal((rows, dim)) * 3.0, dtype)
+    split = jnp.asarray(rng.standard_normal((rows, 4, dim)), jnp.float32)
+    experts = jnp.asarray(rng.standard_normal((rows, 3, dim)), dtype)
+    weights = jnp.asarray(rng.uniform(0.0, 1.0, (rows, 3)), jnp.float32)
+    shared = jnp.asarray(rng.standard_normal((rows, dim)), dtype)
+    delta = PartialSum.of((split, None), (experts, weights), (shared[:, None, :], None))
+    total64 = (np.asarray(split, np.float64).sum(1) + np.asarray(shared, np.float64)
+               + np.einsum("tpd,tp->td", np.asarray(experts, np.float64), np.asarray(weights, np.float64)))
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, dim), jnp.float32)
+    want_s, want_y = float64_expected(x, total64, norm_weight)
+    magnitude = (np.abs(np.asarray(x, np.float64)) + np.abs(np.asarray(split, np.float64)).sum(1)
+                 + np.abs(np.asarray(shared, np.float64)) + np.abs(np.asarray(experts, np.float64)).sum(1))
+    step = np.abs(want_s) * (2.0**-23 if dtype == jnp.float32 else 2.0**-8) + 9 * 2.0**-24 * magnitude
+    tol = 1e-5 if dtype == jnp.float32 else 2.0**-7
+    for impl in ("reference", "pallas"):
+        s, y = add_rms_norm(x, delta, norm_weight, eps=EPS, impl=impl)
+        assert s.dtype == y.dtype == dtype and s.shape == y.shape == x.shape
+        assert (np.abs(np.asarray(s, np.float64) - want_s) <= step).all(), impl
+        err = np.abs(np.asarray(y, np.float64) - want_y) / np.maximum(np.abs(want_y), 1e-2)
+        assert err.max() <= 2 * tol, f"{impl}: relative error {err.max():.2e}"
+
+
+def test_partial_sum_total_and_shapes(rng):
+    parts = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+    coeffs = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
+    got = PartialSum.of((parts, coeffs)).total(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("tpd,tp->td", np.asarray(parts), np.asarray(coeffs)),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="coeffs"):
+        PartialSum.of((parts, coeffs[:, :2]))
+    with pytest.raises(ValueError, match="delta"):
+        add_rms_norm(jnp.zeros((2, 4)), PartialSum.of((parts, None)), jnp.ones(4), eps=EPS)
