@@ -34,19 +34,29 @@ def stacked_linear(x: jax.Array, stack: jax.Array, j: int, *, impl: str | None =
     return stacked_linears(x, (stack,), j, impl=impl)[0]
 
 
+def _skinny_products(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, impl: str | None, *,
+                     sum_splits: bool = True) -> jax.Array | None:
+    """One grouped-GEMM launch of ``x`` against layer ``j`` of every stack on the skinny path (see
+    :func:`stacked_linear`): ``[T, sum out_i]`` (``[T, P, sum out_i]`` split-K parts unless ``sum_splits``);
+    None off that path."""
+    if not (x.ndim == 2 and x.shape[0] <= SKINNY_MAX_ROWS and resolve_impl(impl) == "pallas"):
+        return None
+    from pallas_kernels.mxfp4 import grouped_matmul_concat
+
+    rows = jnp.full((1,), x.shape[0], jnp.int32)
+    return grouped_matmul_concat(x.astype(stacks[0].dtype), [s[:, None] for s in stacks], rows, layer=j,
+                                 impl="pallas", sum_splits=sum_splits)
+
+
 def stacked_linears(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, *,
                     impl: str | None = None) -> list[jax.Array]:
     """``[linear(x, s[j]) for s in stacks]`` for weights of one input width (``[L, in, out_i]``).
 
     On the skinny path (see :func:`stacked_linear`) the products come from one kernel launch (widths that
     share a power-of-two tile); elsewhere they are separate GEMMs."""
-    if x.ndim == 2 and x.shape[0] <= SKINNY_MAX_ROWS and resolve_impl(impl) == "pallas":
-        from pallas_kernels.mxfp4 import grouped_matmul_concat
-
-        rows = jnp.full((1,), x.shape[0], jnp.int32)
-        both = grouped_matmul_concat(x.astype(stacks[0].dtype), [s[:, None] for s in stacks], rows, layer=j,
-                                     impl="pallas").astype(x.dtype)
-        return split_columns(both, [s.shape[-1] for s in stacks])
+    both = _skinny_products(x, stacks, j, impl)
+    if both is not None:
+        return split_columns(both.astype(x.dtype), [s.shape[-1] for s in stacks])
     return [linear(x, s[j]) for s in stacks]
 
 
@@ -55,14 +65,8 @@ def stacked_linear_unsummed(x: jax.Array, stack: jax.Array, j: int, *,
     """:func:`stacked_linear` for a layer's last projection: on the skinny path its split-K partial products
     are left for the residual add + RMSNorm kernel to add (a :class:`PartialSum`, saving XLA's reduction in
     front of it); elsewhere the array."""
-    if x.ndim == 2 and x.shape[0] <= SKINNY_MAX_ROWS and resolve_impl(impl) == "pallas":
-        from pallas_kernels.mxfp4 import grouped_matmul_concat
-
-        rows = jnp.full((1,), x.shape[0], jnp.int32)
-        parts = grouped_matmul_concat(x.astype(stack.dtype), [stack[:, None]], rows, layer=j, impl="pallas",
-                                      sum_splits=False)
-        return PartialSum.of((parts, None))
-    return linear(x, stack[j])
+    parts = _skinny_products(x, (stack,), j, impl, sum_splits=False)
+    return linear(x, stack[j]) if parts is None else PartialSum.of((parts, None))
 
 
 def split_columns(y: jax.Array, widths: list[int]) -> list[jax.Array]:

@@ -5,9 +5,10 @@ time and kernel launches per call come from a ``jax.profiler`` trace; at decode 
 than the bytes (every kernel of an engine step also costs host time, BENCHMARKS.md session 6). Roofline: bytes
 read + written (x, delta in; sum, normed out) at the copy bandwidth measured here.
 
-``--partials`` (``BENCH_PARTIALS=1``): the decode step's :class:`PartialSum` addends instead, against XLA summing
-them then running its add + norm: after o_proj, its 4 split-K float32 parts; after the MoE, 8 routed rows with
-router weights plus the shared expert's 4 split-K parts (Kimi-Linear D=2304, batch 1 and 4).
+``--partials`` (``BENCH_PARTIALS=1``): :class:`PartialSum` addends instead, against XLA summing them then running
+its add + norm: o_proj's 4 split-K float32 parts (the decode step's case), and 8 router-weighted expert rows plus
+4 split-K parts (the MoE's outputs, which the step leaves to XLA: slower this way in the step, session 9);
+Kimi-Linear D=2304, batch 1 and 4.
 """
 
 from __future__ import annotations
@@ -78,4 +79,7 @@ def partials_main():
 
 
 if __name__ == "__main__":
-    partials_main() if "--partials" in sys.argv or os.environ.get("BENCH_PARTIALS") else main()
+    if "--partials" in sys.argv or os.environ.get("BENCH_PARTIALS"):
+        partials_main()
+    else:
+        main()
