@@ -188,15 +188,6 @@ def test_tile_config_short_k_loops_pipeline_three_deep():
     assert tile_config(512, 8, 2304, 1024, "bf16")["num_stages"] == 3  # prefill config, unchanged
 
 
-def test_tile_config_short_k_loops_pipeline_three_deep():
-    from pallas_kernels.mxfp4.ops import tile_config
-    assert tile_config(8, 8, 2304, 1024, "bf16")["num_stages"] == 3  # MoE down projection at decode: 8 K steps
-    assert tile_config(8, 8, 2048, 2304, "bf16")["num_stages"] == 4  # gate/up: 18 K steps
-    assert tile_config(512, 8, 2304, 1024, "bf16")["num_stages"] == 3  # prefill config, unchanged
-
-
-
-
 @pytest.mark.parametrize("weight_format,split_k", [("mxfp4", 1), ("bf16", 2)])
 def test_concatenated_matrices_in_one_launch(weight_format, split_k):
     """Several weight matrices of different widths in one launch give their products side by side, exactly as
