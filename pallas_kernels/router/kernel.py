@@ -9,8 +9,8 @@ XLA runs a decode step's router as about seven kernels per MoE layer (H200 trace
    spread the router weight's bytes over about ``target_programs`` programs.
 2. ``_topk_kernel``, grid ``(T,)``: the partial sums added (all parts loaded at once: the loop over them it
    replaced waited one L2 round trip per part, 12.2 -> 9.4 us for both kernels at batch 1, session 11), sigmoid,
-   plus bias, ``k`` rounds of (maximum, lowest index holding it, mask it out), the chosen unbiased scores
-   renormalised and scaled.
+   plus bias, ``k`` rounds of (argmax, mask it out), the chosen unbiased scores renormalised and scaled. The
+   rounds are serial reductions across the program's warps, so each round is one (value, index) reduction.
 
 One launch instead of two (the logits programs count themselves done on an atomic counter and the last one runs
 the top-k) measured no faster at one row and 3x slower at 16 (H200, session 11): the last program's serial loads
@@ -58,27 +58,24 @@ def _sum_parts(partial_ref, row, width, experts):
 
 
 def _select(logits, bias, *, experts, k, k_width, renormalize, scaling):
-    """Rows of fp32 logits ``[R, width]`` and the bias ``[1, width]`` -> (weights ``[R, k_width]``, ids
-    ``[R, k_width]``): ``k`` rounds of (maximum, lowest index holding it, mask it out), like ``lax.top_k``'s
-    order and ties; slots past ``k`` are zero."""
+    """One row of fp32 logits ``[1, width]`` and the bias ``[1, width]`` -> (weights ``[k_width]``, ids
+    ``[k_width]``): ``k`` rounds of (lowest index of the maximum, mask it out), like ``lax.top_k``'s order and
+    ties, each round one (value, index) reduction; the chosen scores are gathered after the loop in one 2D
+    reduction. Slots past ``k`` hold id 0 and weight 0."""
     width = logits.shape[1]
     lanes = jnp.arange(width)[None, :]
     scores = jax.nn.sigmoid(logits)
     choice = jnp.where(lanes < experts, scores + bias, -jnp.inf)
-    slots = jnp.arange(k_width)[None, :]
-    ids = jnp.zeros((logits.shape[0], k_width), jnp.int32)
-    chosen = jnp.zeros((logits.shape[0], k_width), jnp.float32)
-    for i in range(k):  # static
-        best = jnp.max(choice, axis=1, keepdims=True)
-        # NaN rows match nothing: clamp keeps the id in range
-        pick = jnp.minimum(jnp.min(jnp.where(choice == best, lanes, width), axis=1, keepdims=True), experts - 1)
-        hit = lanes == pick
+    slots = jnp.arange(k_width)[:, None]
+    ids = jnp.zeros((k_width, 1), jnp.int32)
+    for i in range(k):  # static; NaN rows may pick a padding lane: the clamp keeps the id in range
+        pick = jnp.minimum(jnp.argmax(choice, axis=1, keepdims=True).astype(jnp.int32), experts - 1)  # [1, 1]
         ids = jnp.where(slots == i, pick, ids)
-        chosen = jnp.where(slots == i, jnp.sum(jnp.where(hit, scores, 0.0), axis=1, keepdims=True), chosen)
-        choice = jnp.where(hit, -jnp.inf, choice)
+        choice = jnp.where(lanes == pick, -jnp.inf, choice)
+    chosen = jnp.sum(jnp.where((ids == lanes) & (slots < k), scores, 0.0), axis=1)  # [k_width]
     if renormalize:
-        chosen = chosen / (jnp.sum(chosen, axis=1, keepdims=True) + 1e-20)
-    return chosen * scaling, ids
+        chosen = chosen / (jnp.sum(chosen) + 1e-20)
+    return chosen * scaling, ids.reshape(k_width)
 
 
 def _load_bias(bias_ref, layer, width, experts):
@@ -100,8 +97,8 @@ def _topk_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, layer, select):
     width = pl.next_power_of_2(experts)
     logits = _sum_parts(partial_ref, row, width, experts)
     weights, ids = _select(logits, _load_bias(bias_ref, layer, width, experts), experts=experts, **select)
-    out = (pl.ds(row, 1), pl.ds(0, weights.shape[1]))
-    mask = (jnp.arange(weights.shape[1]) < select["k"])[None, :]
+    out = (row, pl.ds(0, weights.shape[0]))
+    mask = jnp.arange(weights.shape[0]) < select["k"]
     pltriton.store(weights_ref.at[out], weights, mask=mask)
     pltriton.store(ids_ref.at[out], ids, mask=mask)
 
@@ -126,11 +123,14 @@ def _select_args(k, renormalize, scaling):
     return dict(k=k, k_width=pl.next_power_of_2(k), renormalize=renormalize, scaling=scaling)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "k", "renormalize", "scaling", "target_programs"))
+@functools.partial(jax.jit, static_argnames=("layer", "k", "renormalize", "scaling", "target_programs",
+                                             "logits_warps", "topk_warps"))
 def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int, k: int, renormalize: bool,
-                 scaling: float, target_programs: int = TARGET_PROGRAMS) -> tuple[jax.Array, jax.Array]:
+                 scaling: float, target_programs: int = TARGET_PROGRAMS, logits_warps: int = 4,
+                 topk_warps: int = 4) -> tuple[jax.Array, jax.Array]:
     """:func:`pallas_kernels.router.route_reference` for ``x [T, D]`` with layer ``layer`` of the stacks
-    ``router [L, D, E]``, ``bias [L, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)``; two launches."""
+    ``router [L, D, E]``, ``bias [L, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)``; two launches
+    (``logits_warps`` / ``topk_warps`` warps per program)."""
     rows, dim = x.shape
     experts = router.shape[2]
     block_e, block_d, tiles, split = _plan(rows, dim, experts, target_programs)
@@ -140,7 +140,7 @@ def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int
                           steps=dim // block_d // split),
         out_shape=partial_shape, grid=(tiles, experts // block_e, split),
         in_specs=[_whole(x.shape), _whole(router.shape)], out_specs=_whole(partial_shape.shape),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=logits_warps, num_stages=3),
         interpret=interpret_mode(), name="router_logits",
     )(x, router)
     outs = (jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32))
@@ -148,6 +148,6 @@ def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int
         functools.partial(_topk_kernel, layer=layer, select=_select_args(k, renormalize, scaling)),
         out_shape=outs, grid=(rows,), in_specs=[_whole(partial.shape), _whole(bias.shape)],
         out_specs=tuple(_whole(o.shape) for o in outs),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=topk_warps, num_stages=1),
         interpret=interpret_mode(), name="router_topk",
     )(partial, bias)
