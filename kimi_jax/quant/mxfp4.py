@@ -121,3 +121,24 @@ def packed_to_blocks(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, j
     if packed.shape[-1] != scales.shape[-1] * (BLOCK // 2) or packed.shape[:-1] != scales.shape[:-1]:
         raise ValueError(f"packed {packed.shape} / scales {scales.shape} are not an MXFP4 pair")
     return packed.reshape(*scales.shape, BLOCK // 2), scales
+
+
+def to_pair_halves(packed: jax.Array) -> jax.Array:
+    """Compressed-tensors ``packed [..., out, in/2]`` -> the same codes in the pair-halves byte order
+    ``[..., out, in/2]`` (``in % 64 == 0``): for each pair of MX blocks ``(2p, 2p + 1)``, byte ``32p + j`` holds
+    column ``64p + j`` of block 2p in its low nibble and column ``64p + 32 + j`` of block 2p + 1 in its high
+    nibble. A kernel then decodes each block as one nibble of 32 consecutive bytes, with no interleave, and can
+    apply the block's scale after its dot. The scales keep their layout."""
+    *lead, n_out, n_half = packed.shape
+    if (2 * n_half) % (2 * BLOCK):
+        raise ValueError(f"the pair-halves order needs in % {2 * BLOCK} == 0, got in = {2 * n_half}")
+    codes = unpack_codes(packed).reshape(*lead, n_out, n_half // BLOCK, 2, BLOCK)
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(packed.shape)
+
+
+def from_pair_halves(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`to_pair_halves`: pair-halves bytes -> compressed-tensors ``packed [..., out, in/2]``."""
+    *lead, n_out, n_half = packed.shape
+    pairs = packed.reshape(*lead, n_out, n_half // BLOCK, 1, BLOCK)
+    codes = jnp.concatenate([pairs & 0xF, pairs >> 4], axis=-2).reshape(*lead, n_out, 2 * n_half)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)

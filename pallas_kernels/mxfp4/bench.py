@@ -1,11 +1,13 @@
 """H200 benchmark: MXFP4 grouped W4A16 GEMM vs bf16 grouped GEMMs at Kimi K3 expert shapes.
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``;
-``BENCH_SUITE=decode`` for the decode-sized cases only).
+``BENCH_SUITE=decode`` for the decode-sized cases only; ``BENCH_SUITE=pairs`` for the K3 decode cases in the
+checkpoint byte order against the pair-halves order, no bf16).
 Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
-per format (``SWEEPS``) plus ``tile_config``'s default; past ``BENCH_DEADLINE_S`` only the defaults. Then
+per format (``SWEEPS``) plus ``tile_config``'s default, and the same tilings on the pair-halves byte order
+(``mxfp4_pairs``, :func:`kimi_jax.quant.mxfp4.to_pair_halves`); past ``BENCH_DEADLINE_S`` only the defaults. Then
 Kimi-Linear's per-row expert GEMMs at batch-1 decode (pipeline depth). The JSON is rewritten after every case.
 """
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimi_jax.quant.mxfp4 import to_pair_halves
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us, timed
 from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas
 from pallas_kernels.mxfp4.ops import tile_config
@@ -27,7 +30,7 @@ from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_group
 TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
 REPS = 8
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
-SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": only the decode-sized cases (split-K sweep)
+SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": decode-sized cases only; "pairs": K3 decode, MXFP4 only
 START = time.time()
 
 ALL_CFGS = {
@@ -109,9 +112,12 @@ def check_correctness(rng):
         got = np.asarray(got, np.float32)
         return float(np.max(np.abs(got - ref).max(1) / np.maximum(np.abs(ref).max(1), 1e-30)))
 
+    pairs = to_pair_halves(packed)
     for name, cfg in CHECKED_CFGS.items():
         results[f"mxfp4/{name}"] = rel(grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **cfg),
                                        want)
+        results[f"mxfp4_pairs/{name}"] = rel(grouped_gemm_pallas(x, (pairs, scales), gs, weight_format="mxfp4_pairs",
+                                                                 **cfg), want)
         results[f"bf16/{name}"] = rel(grouped_gemm_pallas(x[77:], (w16,), gs.at[:2].set(0), weight_format="bf16",
                                                           **cfg), want16)
     for name, fn in mgpu_variants().items():
@@ -161,17 +167,22 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     xs = random_bf16(rng, (REPS, m, k))
     packed, scales = random_mxfp4(rng, experts, n, k)
     case = dict(tokens=tokens, experts=experts, rows=m, experts_touched=touched, n=n, k=k,
-                weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={}, bf16={})
+                weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={},
+                mxfp4_pairs={}, bf16={})
     cfgs = with_default(SWEEPS[(regime, "mxfp4")], tile_config(m, experts, n, k, "mxfp4"))
-    for name, cfg in cfgs.items():
-        if past_deadline(name):
-            continue
-        try:
-            case["mxfp4"][name] = timed(lambda x, p, s, g, cfg=cfg: grouped_gemm_pallas(
-                x, (p, s), g, weight_format="mxfp4", **cfg), (xs, packed, scales, gs))
-        except Exception as err:  # noqa: BLE001
-            case["mxfp4"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
-    del packed, scales
+    for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", to_pair_halves(packed))):
+        for name, cfg in cfgs.items():
+            if past_deadline(name):
+                continue
+            try:
+                case[fmt][name] = timed(lambda x, p, s, g, cfg=cfg, fmt=fmt: grouped_gemm_pallas(
+                    x, (p, s), g, weight_format=fmt, **cfg), (xs, weights, scales, gs))
+            except Exception as err:  # noqa: BLE001
+                case[fmt][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
+    del packed, scales, weights
+    if SUITE == "pairs":
+        record.append(case)
+        return case
     w16 = random_bf16(rng, (experts, k, n))
     bf16_variants = {f"pallas_{name}": (lambda x, w, g, cfg=cfg: grouped_gemm_pallas(
         x, (w,), g, weight_format="bf16", **cfg)) for name, cfg in with_default(
@@ -256,7 +267,7 @@ def main():
             json.dump(result, f, indent=1)
 
     save()
-    decode_only = SUITE == "decode"
+    decode_only = SUITE in ("decode", "pairs")
     if not decode_only:
         try:
             result["dense_m64_k7168_n2048_s"] = dense_case(rng)
@@ -271,24 +282,26 @@ def main():
         bench_case(rng, tokens, experts, 2 * WIDTH, LATENT, regime, cases)
         save()
         print(f"done T={tokens} E={experts} at {time.time() - START:.0f}s", flush=True)
-    for tokens in (64,) if decode_only else (64, 8192):  # down projection: N = 3584, K = 3072
-        bench_case(rng, tokens, 56, LATENT, WIDTH, "down", cases)
+    if SUITE != "pairs":
+        for tokens in (64,) if decode_only else (64, 8192):  # down projection: N = 3584, K = 3072
+            bench_case(rng, tokens, 56, LATENT, WIDTH, "down", cases)
+            save()
+        for tokens in (1, 16, 64):  # Kimi-Linear-48B experts as the engine calls them: w1 / w3 N=1024, K=2304
+            bench_case(rng, tokens, 256, 1024, 2304, "decode", cases, total=256, top_k=8)
+            save()
+        per_row = result["per_row_decode"] = []
+        per_row_case("Kimi-Linear w1+w3, 8 rows", (1024, 1024), 2304, per_row)
+        per_row_case("Kimi-Linear w2, 8 rows", (2304,), 1024, per_row)
         save()
-    for tokens in (1, 16, 64):  # Kimi-Linear-48B experts as the engine calls them: w1 / w3 N=1024, K=2304, top-8
-        bench_case(rng, tokens, 256, 1024, 2304, "decode", cases, total=256, top_k=8)
-        save()
-    per_row = result["per_row_decode"] = []
-    per_row_case("Kimi-Linear w1+w3, 8 rows", (1024, 1024), 2304, per_row)
-    per_row_case("Kimi-Linear w2, 8 rows", (2304,), 1024, per_row)
-    save()
     bw, rate = result["copy_bandwidth_Bps"], result["bf16_matmul_flops"]
     print(f"\n{'T':>5} {'E':>4} {'M':>5} {'N':>5} {'K':>5} | {'mxfp4 us':>9} {'%copyBW':>7} {'%bf16mm':>7} "
-          f"{'cfg':>18} | {'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
+          f"{'cfg':>18} | {'pairs us':>8} {'%copyBW':>7} {'cfg':>18} | {'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
     for c in cases:
-        (mn, mt), (bn_, bt) = best(c["mxfp4"]), best(c["bf16"])
+        (mn, mt), (pn, pt), (bn_, bt) = best(c["mxfp4"]), best(c["mxfp4_pairs"]), best(c["bf16"])
         print(f"{c['tokens']:>5} {c['experts']:>4} {c['rows']:>5} {c['n']:>5} {c['k']:>5} | {mt * 1e6:>9.1f} "
               f"{100 * c['weight_bytes_mxfp4'] / mt / bw:>6.0f}% {100 * c['flops'] / mt / rate:>6.0f}% {mn:>18} | "
-              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / mt:>6.2f}x")
+              f"{pt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / pt / bw:>6.0f}% {pn:>18} | "
+              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / min(mt, pt):>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4
   No subnormal appears, so the decode is exact whatever the backend's denormal mode.
 * the E8M0 scale ``2**(s - 127)`` is the bf16 with exponent field ``s`` and multiplies the decoded tile; the
   product is exact (IEEE, results outside bf16's normal range follow denormal / overflow rules).
+
+``weight_format="mxfp4_pairs"`` reads the pair-halves byte order (:func:`kimi_jax.quant.mxfp4.to_pair_halves`):
+per 64 columns, 32 bytes whose low nibbles are one MX block and high nibbles the next. Each block is then
+decoded from one nibble of a ``[block_n, 32]`` byte tile (no interleave of low and high nibbles, no ``[bn, bk]``
+broadcast of the scales) and multiplied by ``x``'s 32 matching columns in its own K=32 dot; its scale multiplies
+the fp32 ``[block_n, block_m]`` product (a power of two: exact, and no bf16 subnormal on the way).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kimi_jax.quant.mxfp4 import e8m0_to_float32
 from pallas_kernels.impl import interpret_mode
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
@@ -86,7 +93,27 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         """This program's output tile from one weight matrix, whose column tiles start at ``first_tile``."""
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
+        def pair_products(k):  # "mxfp4_pairs": one K=32 dot per MX block, its scale applied to the product
+            packed_ref, scales_ref = part_refs
+            total = 0.0
+            for pair in range(block_k // (2 * MX_BLOCK)):  # static
+                first_byte = pl.multiple_of(k * (block_k // 2) + pair * MX_BLOCK, MX_BLOCK)
+                packed = packed_ref[expert, cols, pl.ds(first_byte, MX_BLOCK)].astype(jnp.uint16)  # [bn, 32]
+                for half, codes in enumerate((packed & 0xF, packed >> 4)):
+                    block = k * (block_k // MX_BLOCK) + 2 * pair + half
+                    x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
+                                      mask=x_mask[:, None], other=0.0)
+                    scale = e8m0_to_float32(scales_ref[expert, cols, block])  # [bn]
+                    w = _e2m1_to_bf16(codes)
+                    if weights_lhs:
+                        total = total + jnp.dot(w, x.T, preferred_element_type=jnp.float32) * scale[:, None]
+                    else:
+                        total = total + jnp.dot(x, w.T, preferred_element_type=jnp.float32) * scale[None, :]
+            return total
+
         def body(k, acc):
+            if weight_format == "mxfp4_pairs":
+                return acc + pair_products(k)
             x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
                               mask=x_mask[:, None], other=0.0)
             if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
@@ -113,7 +140,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
 def _output_width(weights: tuple[jax.Array, ...], weight_format: str) -> int:
     if weight_format == "bf16":
         return weights[0].shape[2]
-    if weight_format in ("bf16_nk", "mxfp4"):
+    if weight_format in ("bf16_nk", "mxfp4", "mxfp4_pairs"):
         return weights[0].shape[1]
     raise ValueError(f"unknown weight_format {weight_format!r}")
 
@@ -125,7 +152,8 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
                         block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                         weights_lhs: bool = False, split_k: int = 1) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E', K, N],)`` for ``"bf16"``,
-    ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``;
+    ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``
+    (``"mxfp4_pairs"``: ``packed`` in the pair-halves byte order, ``block_k`` a multiple of 64);
     group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (an int32 scalar, traced: so the
     experts of every layer can be passed as one ``[L*E, ...]`` bitcast of the stacked parameter, since a slice
     ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every
@@ -167,8 +195,10 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     num_experts = matrices[0][0].shape[0] if per_row else group_sizes.shape[0]
     widths = [_output_width(w, weight_format) for w in matrices]
     dim_n = sum(widths)
-    if any(n % block_n for n in widths) or dim_k % block_k or (weight_format == "mxfp4" and block_k % MX_BLOCK):
+    if any(n % block_n for n in widths) or dim_k % block_k:
         raise ValueError(f"K={dim_k} / N={widths} must be multiples of block_k={block_k} / block_n={block_n}")
+    if block_k % {"mxfp4": MX_BLOCK, "mxfp4_pairs": 2 * MX_BLOCK}.get(weight_format, 1):
+        raise ValueError(f"block_k={block_k} must hold whole MX blocks (pairs of them for {weight_format!r})")
     if split_k < 1 or (dim_k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
     schedule = group_sizes.astype(jnp.int32) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)

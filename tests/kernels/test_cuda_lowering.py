@@ -61,6 +61,13 @@ def add_rms_norm_partials(x, split_parts, expert_rows, router_weights, norm_weig
     return rmsnorm_kernel.add_rms_norm_pallas(x, partials, norm_weight, eps=1e-6, layer=3)
 
 
+def mxfp4_pairs_gemm(x, packed, scales, row_experts):
+    """K3's expert gate projection at decode in the pair-halves byte order (16 (token, expert) rows)."""
+    return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_pairs",
+                                                  per_row=True, block_m=16, block_n=64, block_k=128,
+                                                  weights_lhs=True, num_stages=4)
+
+
 KDA_DECODE_ARGS = [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32), S((9, 3, 12288), jnp.float32),
                    S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16), S((3, 32), jnp.float32),
                    S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32), S((2,), jnp.int32),
@@ -79,6 +86,8 @@ CASES = {
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
+    "grouped_gemm_mxfp4_pairs": (mxfp4_pairs_gemm, [S((2, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8),
+                                                    S((56, 3072, 112), jnp.uint8), S((16,), jnp.int32)]),
     "mla_absorb_queries": (functools.partial(mla_absorb.absorb_queries_pallas, layer=3, k_nope=128),
                            [S((16, 32, 192), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
     "mla_absorb_outputs": (functools.partial(mla_absorb.absorb_outputs_pallas, layer=6, v_dim=128),

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax.quant.mxfp4 import E2M1_VALUES, dequantize
+from kimi_jax.quant.mxfp4 import E2M1_VALUES, dequantize, from_pair_halves, to_pair_halves, unpack_codes
 from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
                                   mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
                                   mxfp4_matmul, mxfp4_matmul_reference)
@@ -289,3 +289,47 @@ def test_exactly_one_row_map():
         grouped_matmul_concat(x, [w], jnp.asarray([2, 0, 0], jnp.int32), row_experts=jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="exactly one"):
         grouped_matmul_concat(x, [w])
+
+
+def test_pair_halves_byte_order():
+    """Byte 32p + j holds column 64p + j (low nibble) and 64p + 32 + j (high nibble); the inverse restores the
+    checkpoint bytes; in not a multiple of 64 is a clear error."""
+    _, packed, _, _ = random_problem(51, [1], 1, n=3, k=128)
+    pairs = np.asarray(to_pair_halves(packed))
+    codes = np.asarray(unpack_codes(packed))  # [E, N, K] in column order
+    for p in range(2):
+        np.testing.assert_array_equal(pairs[..., 32 * p:32 * p + 32] & 0xF, codes[..., 64 * p:64 * p + 32])
+        np.testing.assert_array_equal(pairs[..., 32 * p:32 * p + 32] >> 4, codes[..., 64 * p + 32:64 * p + 64])
+    np.testing.assert_array_equal(np.asarray(from_pair_halves(jnp.asarray(pairs))), np.asarray(packed))
+    with pytest.raises(ValueError, match="in % 64"):
+        to_pair_halves(packed[..., :16])
+
+
+@pytest.mark.parametrize("layout,extreme", [
+    (dict(weights_lhs=True, split_k=2), False),   # decode orientation, K split over two programs
+    (dict(weights_lhs=False, split_k=1), True),   # prefill orientation; scales 2**-125..2**-123 / 2**121..2**125
+    (dict(weights_lhs=True, per_row=True), False),  # one row per (token, expert) pair, rows unsorted
+])
+def test_mxfp4_pairs_kernel_matches_reference(layout, extreme):
+    """The pair-halves kernel path (one K=32 dot per MX block, the scale applied to its fp32 product) equals the
+    float32 reference on the checkpoint bytes, within the bf16 output rounding of TOL."""
+    group_sizes = [20, 0, 17]
+    x, packed, scales, gs = random_problem(61, group_sizes, NUM_ROWS, n=32, k=128)
+    if extreme:
+        scales = scales.at[0].set(2 + scales[0] % 3).at[2].set(248 + scales[2] % 5)
+        row_scale = jnp.where(jnp.arange(NUM_ROWS) < 20, 2.0 ** 100, 2.0 ** -110)
+        x = (x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)
+    tiles = dict(SMALL_TILES, block_k=64, **layout)
+    if layout.get("per_row"):
+        rows = jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)
+        want = jnp.concatenate([mxfp4_matmul_reference(x[i:i + 1], packed[e], scales[e])
+                                for i, e in enumerate(np.asarray(rows))])
+        got = grouped_gemm_concat_pallas(x[:7], ((to_pair_halves(packed), scales),), rows,
+                                         weight_format="mxfp4_pairs", **tiles)
+    else:
+        want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+        got = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs", **tiles)
+        assert not np.asarray(got[sum(group_sizes):], np.float32).any()
+    assert_rows_close(got, want)
+    with pytest.raises(ValueError, match="pairs of them"):
+        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_pairs", **SMALL_TILES)
