@@ -58,11 +58,12 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"(dense_mlp|moe)\.(down|shared_down|latent_up)", _ROW),
     (r"moe\.(router_bias|latent_norm)", _REPLICATED),
     # routed experts: bf16 w1/w3 [L, E, Din, F], w2 [L, E, F, Din];
-    # MXFP4 w1/w3 packed/scale [L, E, F, Din/2 | Din/32], w2 packed/scale [L, E, Din, F/2 | F/32]
+    # MXFP4 w1/w3 packed/scale [L, E, F, Din/2 | Din/32], w2 packed/scale [L, E, Din, F/2 | F/32] (pair-halves
+    # bytes, ``_pairs``, the same shapes: a TP shard of w2 then holds whole 64-column pairs when F / TP % 64 == 0)
     (r"moe\.(w1|w3)", P(None, "expert", None, TP)),
     (r"moe\.w2", P(None, "expert", TP, None)),
-    (r"moe\.(w1|w3)_(packed|scale)", P(None, "expert", TP, None)),
-    (r"moe\.w2_(packed|scale)", P(None, "expert", None, TP)),
+    (r"moe\.(w1|w3)_(packed|pairs|scale)", P(None, "expert", TP, None)),
+    (r"moe\.w2_(packed|pairs|scale)", P(None, "expert", None, TP)),
     # norms and Attention Residuals
     (r"(norm|input_norm|post_attn_norm)", _REPLICATED),
     (r"attn_res\.\w+", _REPLICATED),

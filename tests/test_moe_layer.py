@@ -34,6 +34,24 @@ def test_moe_pallas_equals_reference(variant, tokens, row_pairs, rng, monkeypatc
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
+@pytest.mark.parametrize("tokens,row_pairs", [(13, 0), (1, 32)])
+def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs, rng, monkeypatch):
+    """use_pair_halves re-orders the packed expert bytes (w*_packed -> w*_pairs); the layer's reference and
+    Pallas paths then give what the checkpoint bytes gave (sorted and per-row decode paths)."""
+    monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", row_pairs)
+    cfg = ModelConfig(**{**BASE, "moe_intermediate_size": 64}, experts_mxfp4=True)  # K = 64 for w1/w3 and w2
+    stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)
+    want = np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32)
+    ffn.use_pair_halves(stack)
+    assert not hasattr(stack, "w1_packed") and stack.w2_pairs[...].shape == (1, 16, 64, 32)
+    np.testing.assert_array_equal(np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32), want)
+    got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    with pytest.raises(ValueError, match="w1_packed"):
+        ffn.use_pair_halves(stack)
+
+
 def test_big_random_parameters_are_drawn_one_matrix_at_a_time(monkeypatch):
     """Stacks above CHUNK_ELEMENTS are drawn per trailing matrix (bounded temporaries: drawing a K3 expert stack
     at once needed 237 GB), still with every MXFP4 code and distinct matrices; small ones keep one draw."""

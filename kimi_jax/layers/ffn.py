@@ -4,7 +4,8 @@ Router: fp32 logits -> sigmoid scores; ``scores + e_score_correction_bias`` only
 top-k); the weights are the unbiased scores of the chosen experts, renormalised and scaled. LatentMoE (K3)
 runs the routed experts in a latent width: ``down -> experts -> weighted sum -> RMSNorm -> up``; shared experts
 read the full-width input. Routed experts are bf16 ``[E, in, out]`` or MXFP4 packed ``[E, out, in/2]`` +
-E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use).
+E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use; :func:`use_pair_halves` re-orders the
+packed bytes for the kernel's pair-halves format, as ``{w}_pairs`` parameters).
 """
 
 from __future__ import annotations
@@ -100,6 +101,27 @@ class MoEStack(nnx.Module):
             self.shared_down = fan_in_normal(rngs, (n, fs, d), dtype)
 
 
+def use_pair_halves(p: MoEStack) -> None:
+    """Re-order an MXFP4 stack's packed expert bytes into the pair-halves order, in place: ``w1_packed`` becomes
+    ``w1_pairs`` (same shape; :func:`kimi_jax.quant.mxfp4.to_pair_halves`), and so on. The checkpoint names are
+    gone afterwards, so a converted model cannot be written out as if it held checkpoint bytes."""
+    for name in ("w1", "w3", "w2"):
+        packed = getattr(p, f"{name}_packed", None)
+        if packed is None:
+            raise ValueError(f"use_pair_halves needs MXFP4 experts in the checkpoint order; no {name}_packed")
+        setattr(p, f"{name}_pairs", nnx.Param(mxfp4.to_pair_halves(packed[...])))
+        delattr(p, f"{name}_packed")
+
+
+def _packed_experts(p: MoEStack, name: str) -> tuple[jax.Array, str] | None:
+    """(packed bytes, byte order) of routed expert weight ``name``, or None for bf16 experts."""
+    for suffix, order in (("packed", "checkpoint"), ("pairs", "pairs")):
+        packed = getattr(p, f"{name}_{suffix}", None)
+        if packed is not None:
+            return packed, order
+    return None
+
+
 def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, impl: str | None, *,
                    sizes: jax.Array | None = None, row_experts: jax.Array | None = None) -> list[jax.Array]:
     """Grouped GEMMs of rows ``xs [M, in]`` with routed expert weights ``names`` (same input width) -> one
@@ -109,13 +131,15 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     Pallas: one launch of the W4A16 grouped kernel over the packed MXFP4 bytes of every name (or of the bf16
     grouped kernel); reference: dequantise every expert, then ``lax.ragged_dot`` per name (exact, but XLA
     lowers it densely on GPU)."""
-    mxfp4_packed = getattr(p, f"{names[0]}_packed", None) is not None
+    packed = [_packed_experts(p, n) for n in names]
+    mxfp4_packed = packed[0] is not None
     if resolve_impl(impl) == "pallas":
         rows = dict(group_sizes=sizes, row_experts=row_experts, layer=j, impl="pallas")
         if mxfp4_packed:
             both = gemm_ops.mxfp4_grouped_matmul_concat(
-                xs, [(getattr(p, f"{n}_packed"), getattr(p, f"{n}_scale")) for n in names], **rows)
-            widths = [getattr(p, f"{n}_packed").shape[-2] for n in names]
+                xs, [(w[...], getattr(p, f"{n}_scale")) for (w, _), n in zip(packed, names)],
+                byte_order=packed[0][1], **rows)
+            widths = [w.shape[-2] for w, _ in packed]
         else:
             both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows)
             widths = [getattr(p, n).shape[-1] for n in names]
@@ -123,8 +147,9 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     out = []
     for n in names:
         if mxfp4_packed:
-            w = jnp.swapaxes(mxfp4.dequantize(getattr(p, f"{n}_packed")[j], getattr(p, f"{n}_scale")[j],
-                                              dtype=xs.dtype), -1, -2)
+            w, order = _packed_experts(p, n)
+            w = w[j] if order == "checkpoint" else mxfp4.from_pair_halves(w[j])
+            w = jnp.swapaxes(mxfp4.dequantize(w, getattr(p, f"{n}_scale")[j], dtype=xs.dtype), -1, -2)
         else:
             w = getattr(p, n)[j]
         out.append(jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32))

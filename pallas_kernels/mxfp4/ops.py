@@ -8,7 +8,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.quant.mxfp4 import dequantize
+from kimi_jax.quant.mxfp4 import dequantize, from_pair_halves
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_matmul_reference, rows_matmul_reference
@@ -77,27 +77,40 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
     return mxfp4_grouped_matmul_concat(x, ((packed, scales),), group_sizes, layer=layer, impl=impl)
 
 
+BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs"}
+"""Byte order of packed MXFP4 weights -> the grouped kernel's ``weight_format``: the compressed-tensors order,
+or the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`."""
+
+
 def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
                                 group_sizes: jax.Array | None = None, *, row_experts: jax.Array | None = None,
-                                layer: int | None = None, impl: str | None = None) -> jax.Array:
+                                layer: int | None = None, impl: str | None = None,
+                                byte_order: str = "checkpoint") -> jax.Array:
     """:func:`mxfp4_grouped_matmul` against several ``(packed, scales)`` matrices of the same K (e.g. the gate
     and up projections): their products side by side, ``[M, sum N_i]``, from one kernel launch.
 
     Instead of ``group_sizes`` (rows sorted by expert), ``row_experts [M]`` int32 may name each output row's
     expert (rows in any order, each row its own tile, x's rows each used by ``M / len(x)`` consecutive output
-    rows; for a few decode rows, see :func:`grouped_matmul_concat`)."""
+    rows; for a few decode rows, see :func:`grouped_matmul_concat`).
+
+    ``byte_order``: ``"checkpoint"``, or ``"pairs"`` for ``packed`` in the pair-halves order (K a multiple of
+    64; the kernel's ``"mxfp4_pairs"`` format)."""
+    if byte_order not in BYTE_ORDERS:
+        raise ValueError(f"byte_order must be one of {sorted(BYTE_ORDERS)}, got {byte_order!r}")
     groups, per_row = _groups(group_sizes, row_experts, x)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
+        unpair = from_pair_halves if byte_order == "pairs" else (lambda a: a)
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
-        return jnp.concatenate([product(x, jnp.swapaxes(dequantize(pick(p), pick(s), jnp.float32), 1, 2), groups)
-                                for p, s in matrices], axis=-1)
+        return jnp.concatenate([product(x, jnp.swapaxes(dequantize(unpair(pick(p)), pick(s), jnp.float32), 1, 2),
+                                        groups) for p, s in matrices], axis=-1)
     flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
     matrices = tuple(zip(flat[0::2], flat[1::2]))
     widths = tuple(p.shape[1] for p, _ in matrices)
     rows = groups.shape[0] if per_row else x.shape[0]
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), x.shape[1], "mxfp4", widths)
-    return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format="mxfp4", per_row=per_row, **cfg)
+    return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format=BYTE_ORDERS[byte_order],
+                                      per_row=per_row, **cfg)
 
 
 def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None, x: jax.Array) -> tuple[jax.Array, bool]:

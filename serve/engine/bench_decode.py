@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
+    parser.add_argument("--mxfp4-pairs", action="store_true",
+                        help="re-order MXFP4 expert bytes into the pair-halves order (kimi_jax.layers.ffn."
+                             "use_pair_halves) before building the runner")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
                        num_experts=args.experts or full.num_experts)
     model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    if args.mxfp4_pairs:
+        from kimi_jax.layers.ffn import use_pair_halves
+
+        use_pair_halves(model.moe)
     max_batch = max(args.batches)
     decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2
     max_model_len = args.prompt_len + decode_tokens + 16

@@ -312,6 +312,9 @@ def test_pair_halves_byte_order():
     np.testing.assert_array_equal(np.asarray(from_pair_halves(jnp.asarray(pairs))), np.asarray(packed))
     with pytest.raises(ValueError, match="in % 64"):
         to_pair_halves(packed[..., :16])
+    with pytest.raises(ValueError, match="byte_order"):
+        mxfp4_grouped_matmul_concat(jnp.zeros((1, 128), jnp.bfloat16), ((packed, packed[..., :4]),),
+                                    jnp.ones((1,), jnp.int32), byte_order="nibbles")
 
 
 @pytest.mark.parametrize("layout,extreme", [
