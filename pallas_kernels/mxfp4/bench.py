@@ -7,7 +7,8 @@ Rows per step: T tokens x top-16 routing over 896 experts, counted on E local ex
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
 per format (``SWEEPS``) plus ``tile_config``'s default, and the same tilings on the pair-halves byte order
-(``mxfp4_pairs``, :func:`kimi_jax.quant.mxfp4.to_pair_halves`); past ``BENCH_DEADLINE_S`` only the defaults. Then
+(``mxfp4_pairs``, :func:`kimi_jax.quant.mxfp4.to_pair_halves`; its inline-PTX decode, and ``mxfp4_pairs_jnp``
+with the jnp decode); past ``BENCH_DEADLINE_S`` only the defaults. Then
 Kimi-Linear's per-row expert GEMMs at batch-1 decode (pipeline depth). The JSON is rewritten after every case.
 """
 
@@ -116,8 +117,9 @@ def check_correctness(rng):
     for name, cfg in CHECKED_CFGS.items():
         results[f"mxfp4/{name}"] = rel(grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **cfg),
                                        want)
-        results[f"mxfp4_pairs/{name}"] = rel(grouped_gemm_pallas(x, (pairs, scales), gs, weight_format="mxfp4_pairs",
-                                                                 **cfg), want)
+        for fmt in ("mxfp4_pairs", "mxfp4_pairs_jnp"):
+            results[f"{fmt}/{name}"] = rel(grouped_gemm_pallas(x, (pairs, scales), gs, weight_format=fmt, **cfg),
+                                           want)
         results[f"bf16/{name}"] = rel(grouped_gemm_pallas(x[77:], (w16,), gs.at[:2].set(0), weight_format="bf16",
                                                           **cfg), want16)
     for name, fn in mgpu_variants().items():
@@ -168,9 +170,10 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     packed, scales = random_mxfp4(rng, experts, n, k)
     case = dict(tokens=tokens, experts=experts, rows=m, experts_touched=touched, n=n, k=k,
                 weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={},
-                mxfp4_pairs={}, bf16={})
+                mxfp4_pairs={}, mxfp4_pairs_jnp={}, bf16={})
     cfgs = with_default(SWEEPS[(regime, "mxfp4")], tile_config(m, experts, n, k, "mxfp4"))
-    for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", to_pair_halves(packed))):
+    pairs = to_pair_halves(packed)
+    for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", pairs), ("mxfp4_pairs_jnp", pairs)):
         for name, cfg in cfgs.items():
             if past_deadline(name):
                 continue
@@ -179,7 +182,7 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
                     x, (p, s), g, weight_format=fmt, **cfg), (xs, weights, scales, gs))
             except Exception as err:  # noqa: BLE001
                 case[fmt][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
-    del packed, scales, weights
+    del packed, scales, weights, pairs
     if SUITE == "pairs":
         record.append(case)
         return case

@@ -317,12 +317,13 @@ def test_pair_halves_byte_order():
                                     jnp.ones((1,), jnp.int32), byte_order="nibbles")
 
 
-@pytest.mark.parametrize("layout,extreme", [
-    (dict(weights_lhs=True, split_k=2), False),   # decode orientation, K split over two programs
-    (dict(weights_lhs=False, split_k=1), True),   # prefill orientation; scales 2**-125..2**-123 / 2**121..2**125
-    (dict(weights_lhs=True, per_row=True), False),  # one row per (token, expert) pair, rows unsorted
+@pytest.mark.parametrize("weight_format,layout,extreme", [
+    ("mxfp4_pairs", dict(weights_lhs=True, split_k=2), False),   # decode orientation, K split over two programs
+    ("mxfp4_pairs", dict(weights_lhs=False, split_k=1), True),   # scales 2**-125..2**-123 / 2**121..2**125
+    ("mxfp4_pairs", dict(weights_lhs=True, per_row=True), False),  # one row per (token, expert) pair, unsorted
+    ("mxfp4_pairs_jnp", dict(weights_lhs=True, split_k=1), True),  # the jnp decode (on the GPU too)
 ])
-def test_mxfp4_pairs_kernel_matches_reference(layout, extreme):
+def test_mxfp4_pairs_kernel_matches_reference(weight_format, layout, extreme):
     """The pair-halves kernel path (one K=32 dot per MX block, the scale applied to its fp32 product) equals the
     float32 reference on the checkpoint bytes, within the bf16 output rounding of TOL."""
     group_sizes = [20, 0, 17]
@@ -337,11 +338,71 @@ def test_mxfp4_pairs_kernel_matches_reference(layout, extreme):
         want = jnp.concatenate([mxfp4_matmul_reference(x[i:i + 1], packed[e], scales[e])
                                 for i, e in enumerate(np.asarray(rows))])
         got = grouped_gemm_concat_pallas(x[:7], ((to_pair_halves(packed), scales),), rows,
-                                         weight_format="mxfp4_pairs", **tiles)
+                                         weight_format=weight_format, **tiles)
     else:
         want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
-        got = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs", **tiles)
+        got = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format=weight_format, **tiles)
         assert not np.asarray(got[sum(group_sizes):], np.float32).any()
     assert_rows_close(got, want)
     with pytest.raises(ValueError, match="pairs of them"):
         grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_pairs", **SMALL_TILES)
+
+
+def run_ptx(ptx: str, word: int) -> list[int]:
+    """Execute the decode's PTX (mov, prmt, and, shl, or, mul.rn.bf16x2 on .b32 registers) for one input word
+    ``$2``; -> the output registers ``[$0, $1]``. A small interpreter, so the exact asm text is tested on CPU."""
+    regs = {"$2": word}
+
+    def val(op):
+        return regs[op] if op in regs else int(op, 0)
+
+    def bf16(bits):
+        return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+
+    def to_bf16_bits(x):  # round to nearest even; the decode's products are exact, so this never rounds here
+        return int(np.array([x], np.float32).view(np.uint32)[0]) >> 16
+
+    body = ptx.strip()[1:-1].split(";")
+    for statement in (s.strip() for s in body if s.strip()):
+        if statement.startswith(".reg"):
+            continue
+        op, args = statement.split(None, 1)
+        args = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op == "prmt.b32":
+            source = val(args[1]).to_bytes(4, "little") + val(args[2]).to_bytes(4, "little")
+            selector = val(args[3])
+            regs[args[0]] = int.from_bytes(bytes(source[(selector >> (4 * i)) & 7] for i in range(4)), "little")
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "shl.b32":
+            regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+        elif op == "or.b32":
+            regs[args[0]] = val(args[1]) | val(args[2])
+        elif op == "mul.rn.bf16x2":
+            a, b = val(args[1]), val(args[2])
+            lo, hi = (to_bf16_bits(bf16((a >> s) & 0xFFFF) * bf16((b >> s) & 0xFFFF)) for s in (0, 16))
+            regs[args[0]] = lo | (hi << 16)
+        else:
+            raise AssertionError(f"unknown PTX op {op}")
+    return [regs["$0"], regs["$1"]]
+
+
+def test_inline_ptx_decode_is_exact_for_every_byte():
+    """The pair-halves decode's PTX (interpreted above) maps byte k of a packed word to bf16 element k: E2M1 of
+    its low nibble for one block, of its high nibble for the other, signs and the subnormal code 1 included."""
+    from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX
+
+    rng = np.random.default_rng(7)
+    words = [int.from_bytes(bytes([b, 255 - b, (7 * b) % 256, (b + 85) % 256]), "little") for b in range(256)]
+    words += [int(w) for w in rng.integers(0, 1 << 32, 64, dtype=np.uint64)]
+    for word in words:
+        data = word.to_bytes(4, "little")
+        for ptx, nibble in ((_LOW_NIBBLES_PTX, lambda b: b & 0xF), (_HIGH_NIBBLES_PTX, lambda b: b >> 4)):
+            out = run_ptx(ptx, word)
+            bits = np.array([(out[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(4)], np.uint32) << 16
+            got = bits.view(np.float32)
+            want = E2M1_VALUES[[nibble(b) for b in data]]
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
