@@ -5,7 +5,9 @@ One run measures, in order: the copy bandwidth and bf16 matmul rate (the rooflin
 every kernel against the fp32 XLA reference, a decode tiling sweep per head count, 8K-token prefill (absorbed
 and un-absorbed) over 0 / 32K cached tokens, then the decode grid (H x batch x context, XLA reference at batch
 16, fp8 cache at 32K), the short-cache decode tilings with 16-token pages (batch 1 and 16 over 560 / 4096
-tokens, H=32) and the absorption kernels against XLA's einsums (``--sections short_decode,absorb`` for those). Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64,
+tokens, H=32) and the absorption kernels against XLA's einsums (``--sections short_decode,absorb`` for those);
+``--sections mgpu`` times the Mosaic-GPU decode kernel (``decode_mgpu``) against the Triton one at long contexts.
+Items past ``--budget-s`` are skipped (listed as such). K3 shapes: R=512, K_rope=64,
 K_nope=V=128, block_size=64, scale=192**-0.5. Without the ``sweep`` section the decode grid uses
 ``choose_tiling``'s defaults. Prefill times every tiling at 0 cached tokens and the two fastest of each form at
 32K. The JSON is rewritten after every row (a timeout keeps what was measured).
@@ -294,6 +296,44 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
             save()
 
 
+def run_mgpu(report: dict, ceil: dict, over) -> None:
+    """Long-context decode: the Mosaic-GPU warpgroup kernel (two accumulator chunk widths) against the Triton
+    kernel's default tiling, same inputs; the first case of each H also checks their outputs agree."""
+    from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu
+
+    report["mgpu"] = []
+    for num_heads in (32, 96):
+        for batch, context in ((16, 32768), (64, 32768), (16, 131072), (1, 131072)):
+            if over():
+                report["skipped"].append(f"mgpu H={num_heads} B={batch} ctx={context}")
+                continue
+            pages, tables, ctx = make_cache(jax.random.key(batch + context), [context] * batch)
+            cu = jnp.arange(batch + 1, dtype=jnp.int32)
+            q = jax.random.normal(jax.random.key(num_heads), (batch, num_heads, W), jnp.bfloat16)
+            nbytes, _, roof = decode_roofline(batch, context, num_heads, ceil)
+            triton = decode_fn({})
+            variants = {f"mgpu_chunk{c}": jax.jit(lambda q, p, t, n, c=c: mla_decode_mgpu(q, p, t, n, scale=SCALE,
+                                                                                          chunk=c))
+                        for c in (64, 128)}
+
+            def measure(row, q=q, pages=pages, tables=tables, ctx=ctx, cu=cu, roof=roof, triton=triton,
+                        variants=variants, batch=batch, context=context):
+                for name, sec in [("triton", time_call(triton, q, pages, tables, ctx, cu))] + [
+                        (name, time_call(fn, q, pages, tables, ctx)) for name, fn in variants.items()]:
+                    row[f"{name}_us"] = sec * 1e6
+                    row[f"{name}_cache_TBps"] = batch * context * 2 * W / sec / 1e12
+                    row[f"{name}_pct_roof"] = 100 * roof / sec
+                if not report["mgpu"] or report["mgpu"][-1]["H"] != row["H"]:
+                    (o_t, lse_t), (o_m, lse_m) = triton(q, pages, tables, ctx, cu), variants["mgpu_chunk64"](
+                        q, pages, tables, ctx)
+                    row["max_abs_diff_o"] = float(jnp.max(jnp.abs(o_t.astype(jnp.float32) - o_m.astype(jnp.float32))))
+                    row["max_abs_diff_lse"] = float(jnp.max(jnp.abs(lse_t - lse_m)))
+
+            row = {"H": num_heads, "B": batch, "ctx": context, "bytes": nbytes, "roof_us": roof * 1e6}
+            report["mgpu"].append(guarded(row, measure))
+            del pages
+
+
 def print_tables(report: dict) -> None:
     nan = float("nan")
     print("\n| H | B | ctx | pallas us | roof us | % roof | cache TB/s | XLA ref us | fp8 us | fp8 % roof |")
@@ -357,7 +397,7 @@ def run_absorb(report: dict, ceil: dict) -> None:
             report["absorb"].append(guarded({"form": name, "H": num_heads, "T": rows, "roof_us": roof_us}, measure))
 
 
-SECTIONS = ("correctness", "sweep", "prefill", "decode", "short_decode", "absorb")
+SECTIONS = ("correctness", "sweep", "prefill", "decode", "short_decode", "absorb", "mgpu")
 
 
 def main() -> None:
@@ -401,6 +441,9 @@ def main() -> None:
         save()
     if "absorb" in sections:
         run_absorb(report, ceil)
+        save()
+    if "mgpu" in sections:
+        run_mgpu(report, ceil, over)
         save()
     report["elapsed_s"] = time.perf_counter() - t0
     save()

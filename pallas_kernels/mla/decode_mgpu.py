@@ -1,0 +1,183 @@
+"""Absorbed MLA decode over the paged latent cache as a Mosaic-GPU (Hopper warpgroup) kernel.
+
+Why: the Triton kernel's 32-row ``mma.sync`` tile holds its 32 x 512 fp32 accumulator and the queries in
+registers (255 per thread, 2 CTAs per SM), so at H >= 32 too few loads are in flight and long-context decode
+reads the cache at 47-56% of copy bandwidth (``NOTES.md``). Here, as in FlashMLA, one CTA takes 64 query rows
+(the heads of one decode token, zero-padded to 64) and three warpgroups:
+
+* a memory warpgroup streams 64 cache rows (``[64, 576]`` bf16) per step through TMA into a ring
+  of shared-memory stages, gathering pages through the block table (its index map reads the table in global
+  memory);
+* two compute warpgroups each compute the scores ``S = Q K^T`` (``wgmma``, Q resident in shared memory, K^T read
+  transposed from the stage) and the same online softmax, and each accumulates ``P V`` for its own half of the
+  512 latent columns (V is the stage's first 512 columns), so the fp32 accumulator is split 2 x ``[64, 256]``
+  and nobody spills. ``P`` is the wgmma's register A operand (its K, the 64 keys of a step, must be a multiple
+  of 64; under the interpreter, which takes A from shared memory only, P goes through shared memory).
+
+Shared memory: Q 72 KB + two stages of 72 KB = 216 KB of the 227 KB; the partial outputs are stored from
+registers straight to global memory. The context is split over ``splits`` CTAs per (token, head block); each
+writes fp32 partials (o, natural-log lse) that :func:`pallas_kernels.mla.reference.merge_partials` merges. Grid:
+(sequences, head blocks, splits). ``jax.export`` for CUDA runs Mosaic-GPU's layout inference on the CPU, so the
+GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-byte swizzle).
+
+Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode only (one query token per
+sequence), bf16 pages, ``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with
+R = 512. Tiles wholly past a
+sequence's context are skipped (their pages, whatever the block table holds there, are loaded but never used);
+in the last tile the rows past the context are masked out of the softmax, so their values meet a zero
+probability: they must be finite (the engine's pools are zero-initialised and freed pages keep finite latents;
+its NaN-poisoning test mode is for the reference ops). Not the default path until measured on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.impl import on_gpu
+from pallas_kernels.mla.reference import NO_KEY_LSE, merge_partials
+
+ROWS = 64  # query rows per CTA: one warpgroup's wgmma M
+BLOCK_KV = 64  # keys per pipeline step
+WIDTH = 576  # latent (512) + rope key (64) columns per cache row
+RANK = 512
+TARGET_CTAS = 264  # two waves of the H200's 132 SMs
+
+
+def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
+            tiles_per_page, tiles_per_split, chunk, stages):
+    seq, head_block, split = lax.axis_index("seq"), lax.axis_index("hb"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    rows = pl.ds(head_block * ROWS, ROWS)
+    first_tile = split * tiles_per_split
+    context = lens_gmem[seq]
+    num_pages, max_pages = pages_gmem.shape[1], tables_gmem.shape[1]
+    half = RANK // 2
+    log2e = math.log2(math.e)
+
+    def page_block(step):  # block index of step's [BLOCK_KV, 576] rows: (layer, page, tile in page, 0)
+        tile = first_tile + step
+        page = tables_gmem[seq, jnp.minimum(tile // tiles_per_page, max_pages - 1)]
+        return layer, jnp.clip(page, 0, num_pages - 1), lax.rem(tile, tiles_per_page), 0
+
+    def step_body(idx, k_smem, carry):
+        (step,) = idx
+        start = (first_tile + step) * BLOCK_KV
+
+        def attend(carry):
+            *accs, m, l = carry
+
+            def scores(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.T)
+                return s_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))
+            token = start + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 1)
+            s = jnp.where(token < context, s * (scale * log2e), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            probabilities = p.astype(jnp.bfloat16)
+            if p_smem:  # the interpreter's wgmma reads A from shared memory only
+                p_smem[0][wg] = probabilities
+                plgpu.commit_smem()
+                probabilities = p_smem[0].at[wg]
+
+            def value_product(c):  # P @ V for this warpgroup's columns [wg * 256 + c * chunk, + chunk)
+                def product(acc_ref):
+                    plgpu.wgmma(acc_ref, probabilities, k_smem.at[:, pl.ds(wg * half + c * chunk, chunk)])
+                    return acc_ref[...]
+                return pl.run_scoped(product, plgpu.ACC((ROWS, chunk), jnp.float32))
+
+            accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) + value_product(c) for c, a in enumerate(accs)]
+            return (*accs, m_new, l)
+
+        return lax.cond(start < context, attend, lambda carry: carry, carry)
+
+    def compute(run_pipeline):
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_gmem.at[seq, rows], q_smem, q_barrier)
+
+        plgpu.barrier_wait(q_barrier)
+        zero = jnp.zeros((ROWS, chunk), jnp.float32)
+        init = (*([zero] * (half // chunk)), jnp.full((ROWS,), -jnp.inf, jnp.float32), jnp.zeros((ROWS,), jnp.float32))
+        *accs, m, l = run_pipeline(init)
+        empty = l == 0.0
+        inv = 1.0 / jnp.where(empty, 1.0, l)
+        for c, acc in enumerate(accs):  # straight from registers: no shared memory is left for staging
+            o_gmem.at[split, seq, rows, pl.ds(wg * half + c * chunk, chunk)][...] = (
+                acc * lax.broadcast_in_dim(jnp.where(empty, 0.0, inv), acc.shape, [0]))
+
+        @pl.when(wg == 0)
+        def _():
+            lse_gmem.at[split, seq, rows][...] = jnp.where(empty, NO_KEY_LSE,
+                                                           (m + jnp.log2(jnp.where(empty, 1.0, l))) / log2e)
+
+    plgpu.emit_pipeline_warp_specialized(
+        step_body, grid=(tiles_per_split,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((None, None, BLOCK_KV, WIDTH), page_block, transforms=_transforms(WIDTH))],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)(pages_gmem)
+
+
+def _transforms(minor: int):
+    """Shared-memory tiling + swizzle for a bf16 wgmma operand whose minor dimension holds ``minor`` elements."""
+    swizzle = plgpu.find_swizzle(minor * 16, "operand")
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
+    """KV splits per (sequence, head block): enough CTAs for two waves of the H200, at most one per tile."""
+    return max(1, min(tiles, -(-TARGET_CTAS // (num_seqs * head_blocks))))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "layer", "splits", "stages", "chunk", "interpret"))
+def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, context_lens: jax.Array, *,
+                    scale: float, layer: int | None = None, splits: int | None = None, stages: int = 2,
+                    chunk: int = 64, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """Decode attention: q ``[N, H, 576]`` (one token per sequence) over ``pages [B, bs, 576]`` bf16 (``[L, B, bs,
+    576]`` with ``layer``), ``block_tables [N, P]``, ``context_lens [N]`` -> (o_lat ``[N, H, 512]`` in q.dtype, lse
+    ``[N, H]`` f32), as :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` with ``cu_q_lens =
+    arange(N + 1)``. ``splits``: KV splits (default :func:`default_splits`); ``stages``: shared-memory stages
+    of the cache stream; ``chunk``: accumulator columns per ``P V`` product (64 or 128). ``interpret``: the
+    Mosaic-GPU interpreter (default: when no GPU is present)."""
+    if layer is None:
+        pages, layer = pages[None], 0
+    num_seqs, num_heads, width = q.shape
+    _, _, block_size, _ = pages.shape
+    if width != WIDTH or pages.shape[-1] != WIDTH or pages.dtype != jnp.bfloat16:
+        raise ValueError(f"q [N, H, {WIDTH}] and bf16 pages [.., bs, {WIDTH}] expected; got q {q.shape}, pages "
+                         f"{pages.dtype}{list(pages.shape)}")
+    if block_size % BLOCK_KV or (RANK // 2) % chunk or chunk % 64:
+        raise ValueError(f"block_size {block_size} must be a multiple of {BLOCK_KV} and chunk {chunk} 64 or 128")
+    tiles_per_page = block_size // BLOCK_KV
+    tiles = block_tables.shape[1] * tiles_per_page
+    head_blocks = -(-num_heads // ROWS)
+    splits = splits or default_splits(num_seqs, head_blocks, tiles)
+    tiles_per_split = -(-tiles // splits)
+    rows = head_blocks * ROWS
+    q_rows = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, rows - num_heads), (0, 0)))
+    kernel = functools.partial(_kernel, layer=layer, scale=float(scale), tiles_per_page=tiles_per_page,
+                               tiles_per_split=tiles_per_split, chunk=chunk, stages=stages)
+    interpret = not on_gpu() if interpret is None else interpret
+    p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=_transforms(BLOCK_KV))] if interpret else []
+    o_parts, lse_parts = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((splits, num_seqs, rows, RANK), jnp.float32),
+                  jax.ShapeDtypeStruct((splits, num_seqs, rows), jnp.float32)),
+        grid=(num_seqs, head_blocks, splits), grid_names=("seq", "hb", "split"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=_transforms(WIDTH)),
+                       plgpu.Barrier(num_barriers=1), *p_smem],
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q_rows, pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
+    o, lse = merge_partials(o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads])
+    return o.astype(q.dtype), lse

@@ -1,0 +1,95 @@
+"""The Mosaic-GPU MLA decode kernel (its GPU interpreter on CPU) against the jnp reference.
+
+Tolerance: the kernel rounds the softmax probabilities to bf16 for the P @ V wgmma (relative 2**-9 per term) and
+the reference keeps them in fp32, so o agrees to 1e-2 absolute on unit-variance latents; the scores are fp32
+accumulations of the same bf16 products, so the lse agrees to 1e-4."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla.decode_mgpu import RANK, WIDTH, default_splits, mla_decode_mgpu
+from pallas_kernels.mla.reference import NO_KEY_LSE, mla_paged_attention_reference
+from pallas_kernels.mla.testing import make_paged_batch
+
+SCALE = WIDTH**-0.5
+
+
+def decode_batch(rng, context_lens, num_heads, block_size):
+    """One decode token per sequence; foreign and unused pages NaN; the rows past a context in its own last page
+    finite garbage (what a reused page holds in the engine)."""
+    batch = make_paged_batch(rng, context_lens, [1] * len(context_lens), num_heads=num_heads, width=WIDTH,
+                             block_size=block_size)
+    for table, length in zip(batch.block_tables, batch.context_lens):
+        if length % block_size:
+            last = table[(length - 1) // block_size]
+            batch.pages[last, length % block_size:] = rng.standard_normal((block_size - length % block_size, WIDTH))
+    return batch
+
+
+def reference(batch, pages):
+    o, lse = mla_paged_attention_reference(jnp.asarray(batch.q, jnp.bfloat16), pages, jnp.asarray(batch.block_tables),
+                                           jnp.asarray(batch.context_lens), jnp.asarray(batch.cu_q_lens),
+                                           scale=SCALE, kv_lora_rank=RANK)
+    return np.asarray(o, np.float32), np.asarray(lse)
+
+
+@pytest.mark.parametrize("context_lens,num_heads,block_size,splits", [
+    ([150, 1, 64, 0], 16, 64, 2),   # heads padded to 64 rows; one-token and empty contexts; 2 KV splits
+    ([37, 200], 80, 128, 3),        # two head blocks (the second half padding), 2 steps per page, 3 splits
+])
+def test_decode_matches_reference(context_lens, num_heads, block_size, splits, rng):
+    batch = decode_batch(rng, context_lens, num_heads, block_size)
+    pages = jnp.asarray(batch.pages, jnp.bfloat16)
+    o, lse = mla_decode_mgpu(jnp.asarray(batch.q, jnp.bfloat16), pages, jnp.asarray(batch.block_tables),
+                             jnp.asarray(batch.context_lens), scale=SCALE, splits=splits, interpret=True)
+    want_o, want_lse = reference(batch, pages)
+    assert o.shape == (len(context_lens), num_heads, RANK) and o.dtype == jnp.bfloat16
+    o = np.asarray(o, np.float32)
+    assert np.isfinite(o).all() and np.isfinite(np.asarray(lse)).all()  # NaN pages never meet a probability
+    np.testing.assert_allclose(o, want_o, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
+    empty = np.asarray(context_lens) == 0
+    assert np.all(np.asarray(lse)[empty] == NO_KEY_LSE) and not o[empty].any()
+
+
+def test_layer_of_stacked_pages_and_bad_arguments(rng):
+    """``layer`` reads one layer of [L, B, bs, 576] in place (the other layer is NaN); wrong widths, dtypes and
+    page sizes are clear errors."""
+    batch = decode_batch(rng, [70, 5], 8, 64)
+    pages = jnp.asarray(batch.pages, jnp.bfloat16)
+    stacked = jnp.stack([jnp.full_like(pages, jnp.nan), pages])
+    o, lse = mla_decode_mgpu(jnp.asarray(batch.q, jnp.bfloat16), stacked, jnp.asarray(batch.block_tables),
+                             jnp.asarray(batch.context_lens), scale=SCALE, layer=1, interpret=True)
+    want_o, want_lse = reference(batch, pages)
+    np.testing.assert_allclose(np.asarray(o, np.float32), want_o, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
+    q = jnp.zeros((2, 8, WIDTH), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bf16 pages"):
+        mla_decode_mgpu(q, pages.astype(jnp.float32), batch.block_tables, batch.context_lens, scale=SCALE)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mla_decode_mgpu(q, pages[:, :48], batch.block_tables, batch.context_lens, scale=SCALE)
+
+
+def test_default_splits_fill_two_waves_without_empty_splits():
+    assert default_splits(16, 1, 512) == 17  # batch 16, H=32, 32K context in 64-key steps: 272 CTAs
+    assert default_splits(64, 2, 4096) == 3
+    assert default_splits(1, 1, 5) == 5  # never more splits than tiles
+
+
+@pytest.mark.parametrize("num_heads,stages", [(32, 2), (96, 2)])
+def test_kernel_lowers_for_cuda(num_heads, stages):
+    """``jax.export`` for CUDA runs Mosaic-GPU's lowering (layout inference, wgmma and TMA shapes, shared-memory
+    budget checks) on the CPU: K3 per-device (H=32) and unsharded (H=96, two head blocks) decode at batch 16, 32K
+    context, with 64-token pages of a layer stack."""
+    import functools
+
+    import jax
+    from jax import export
+
+    S = jax.ShapeDtypeStruct
+    fn = functools.partial(mla_decode_mgpu, scale=SCALE, layer=2, stages=stages, interpret=False)
+    args = [S((16, num_heads, WIDTH), jnp.bfloat16), S((4, 9000, 64, WIDTH), jnp.bfloat16), S((16, 512), jnp.int32),
+            S((16,), jnp.int32)]
+    module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in module and "wgmma.mma_async" in module
