@@ -14,6 +14,7 @@ import pytest
 from jax import export
 
 from pallas_kernels.greedy import kernel as greedy_kernel
+from pallas_kernels.kda import chunk as kda_chunk
 from pallas_kernels.kda import recurrent as kda_recurrent
 from pallas_kernels.mla import absorb as mla_absorb
 from pallas_kernels.mxfp4 import kernel as gemm_kernel
@@ -31,7 +32,8 @@ def cuda_lowering(monkeypatch):
 
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-    for module in (greedy_kernel, kda_recurrent, gemm_kernel, mla_absorb, rmsnorm_kernel, router_kernel):
+    for module in (greedy_kernel, kda_chunk, kda_recurrent, gemm_kernel, mla_absorb, rmsnorm_kernel,
+                   router_kernel):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     jax.clear_caches()  # no trace cached in interpret mode may be reused
     yield
@@ -68,6 +70,16 @@ def mxfp4_pairs_gemm(x, packed, scales, row_experts):
                                                   weights_lhs=True, num_stages=4)
 
 
+def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
+    """Kimi-Linear's varlen prefill (H=32, K=V=128): in-kernel gate and L2 norm; the softplus gate takes the
+    pairwise diagonal blocks, the lower bound the midpoint ones."""
+    return kda_chunk.chunk_kda_pallas(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True, A_log=a_log,
+                                      dt_bias=dt_bias, lower_bound=lower_bound)
+
+
+KDA_PREFILL_ARGS = [*[S((1, 1024, 32, 128), jnp.bfloat16)] * 3, S((1, 1024, 32, 128), jnp.float32),
+                    S((1, 1024, 32), jnp.bfloat16), S((32,), jnp.float32), S((32 * 128,), jnp.float32),
+                    S((3,), jnp.int32)]
 KDA_DECODE_ARGS = [S((2, 12288), jnp.bfloat16), S((3, 12288, 4), jnp.float32), S((9, 3, 12288), jnp.float32),
                    S((2, 4096), jnp.bfloat16), S((2, 32), jnp.bfloat16), S((3, 32), jnp.float32),
                    S((3, 4096), jnp.float32), S((9, 32, 128, 128), jnp.float32), S((2,), jnp.int32),
@@ -83,6 +95,8 @@ CASES = {
     "router_k3": (functools.partial(router_kernel.route_pallas, layer=0, k=16, renormalize=True, scaling=1.0),
                   [S((64, 7168), jnp.bfloat16), S((1, 7168, 896), jnp.float32), S((1, 896), jnp.float32)]),
     "kda_decode": (kda_decode, KDA_DECODE_ARGS),
+    "kda_prefill_softplus": (functools.partial(kda_prefill, None), KDA_PREFILL_ARGS),
+    "kda_prefill_lower_bound": (functools.partial(kda_prefill, -5.0), KDA_PREFILL_ARGS),
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
