@@ -3,7 +3,8 @@
 Why: the Triton kernel's 32-row ``mma.sync`` tile holds its 32 x 512 fp32 accumulator and the queries in
 registers (255 per thread, 2 CTAs per SM), so at H >= 32 too few loads are in flight and long-context decode
 reads the cache at 47-56% of copy bandwidth (``NOTES.md``). Here, as in FlashMLA, one CTA takes 64 query rows
-(the heads of one decode token, zero-padded to 64) and three warpgroups:
+(the heads of one decode token, or the (token, head) rows of a few verified tokens, zero-padded to a multiple of
+64) and three warpgroups:
 
 * a memory warpgroup streams 64 cache rows (``[64, 576]`` bf16) per step through TMA into a ring
   of shared-memory stages, gathering pages through the block table (its index map reads the table in global
@@ -20,10 +21,10 @@ writes fp32 partials (o, natural-log lse) that :func:`pallas_kernels.mla.referen
 (sequences, head blocks, splits). ``jax.export`` for CUDA runs Mosaic-GPU's layout inference on the CPU, so the
 GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-byte swizzle).
 
-Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode only (one query token per
-sequence), bf16 pages, ``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with
-R = 512. Tiles wholly past a
-sequence's context are skipped (their pages, whatever the block table holds there, are loaded but never used);
+Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
+verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
+``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with R = 512. Tiles wholly
+past a sequence's context are skipped (their pages, whatever the block table holds there, are loaded but never used);
 in the last tile the rows past the context are masked out of the softmax, so their values meet a zero
 probability: they must be finite (the engine's pools are zero-initialised and freed pages keep finite latents;
 its NaN-poisoning test mode is for the reference ops). Not the default path until measured on the H200.
@@ -51,7 +52,7 @@ TARGET_CTAS = 264  # two waves of the H200's 132 SMs
 
 
 def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
-            tiles_per_page, tiles_per_split, chunk, stages):
+            tiles_per_page, tiles_per_split, chunk, stages, q_len, num_heads):
     seq, head_block, split = lax.axis_index("seq"), lax.axis_index("hb"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     rows = pl.ds(head_block * ROWS, ROWS)
@@ -79,7 +80,11 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))
             token = start + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 1)
-            s = jnp.where(token < context, s * (scale * log2e), -jnp.inf)
+            # row r is query token (head_block * 64 + r) // H of the sequence's q_len, which sees the keys before
+            # context - q_len + 1 + that index (padding rows past q_len * H see them all)
+            query = (head_block * ROWS + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 0)) // num_heads
+            visible = context - q_len + 1 + jnp.minimum(query, q_len - 1)
+            s = jnp.where(token < visible, s * (scale * log2e), -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_safe)
@@ -139,19 +144,25 @@ def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
     return max(1, min(tiles, -(-TARGET_CTAS // (num_seqs * head_blocks))))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "layer", "splits", "stages", "chunk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "splits", "stages", "chunk", "interpret"))
 def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, context_lens: jax.Array, *,
-                    scale: float, layer: int | None = None, splits: int | None = None, stages: int = 2,
-                    chunk: int = 64, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """Decode attention: q ``[N, H, 576]`` (one token per sequence) over ``pages [B, bs, 576]`` bf16 (``[L, B, bs,
-    576]`` with ``layer``), ``block_tables [N, P]``, ``context_lens [N]`` -> (o_lat ``[N, H, 512]`` in q.dtype, lse
-    ``[N, H]`` f32), as :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` with ``cu_q_lens =
-    arange(N + 1)``. ``splits``: KV splits (default :func:`default_splits`); ``stages``: shared-memory stages
-    of the cache stream; ``chunk``: accumulator columns per ``P V`` product (64 or 128). ``interpret``: the
-    Mosaic-GPU interpreter (default: when no GPU is present)."""
+                    scale: float, q_len: int = 1, layer: int | None = None, splits: int | None = None,
+                    stages: int = 2, chunk: int = 64, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """Decode / verification attention: q ``[N * q_len, H, 576]`` (``q_len`` consecutive query tokens per
+    sequence, the last ones of its context, causal among themselves) over ``pages [B, bs, 576]`` bf16 (``[L, B,
+    bs, 576]`` with ``layer``), ``block_tables [N, P]``, ``context_lens [N]`` (new tokens included) -> (o_lat
+    ``[N * q_len, H, 512]`` in q.dtype, lse ``[N * q_len, H]`` f32), as
+    :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` with ``cu_q_lens = q_len * arange(N +
+    1)``. A CTA's 64 rows are ``q_len * H`` (token, head) rows of one sequence. ``splits``: KV splits (default
+    :func:`default_splits`); ``stages``: shared-memory stages of the cache stream; ``chunk``: accumulator
+    columns per ``P V`` product (64 or 128). ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is
+    present)."""
     if layer is None:
         pages, layer = pages[None], 0
-    num_seqs, num_heads, width = q.shape
+    num_tokens, num_heads, width = q.shape
+    num_seqs = block_tables.shape[0]
+    if q_len < 1 or num_tokens != num_seqs * q_len:
+        raise ValueError(f"q has {num_tokens} tokens, not q_len={q_len} for each of the {num_seqs} sequences")
     _, _, block_size, _ = pages.shape
     if width != WIDTH or pages.shape[-1] != WIDTH or pages.dtype != jnp.bfloat16:
         raise ValueError(f"q [N, H, {WIDTH}] and bf16 pages [.., bs, {WIDTH}] expected; got q {q.shape}, pages "
@@ -160,13 +171,15 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
         raise ValueError(f"block_size {block_size} must be a multiple of {BLOCK_KV} and chunk {chunk} 64 or 128")
     tiles_per_page = block_size // BLOCK_KV
     tiles = block_tables.shape[1] * tiles_per_page
-    head_blocks = -(-num_heads // ROWS)
+    head_blocks = -(-(q_len * num_heads) // ROWS)
     splits = splits or default_splits(num_seqs, head_blocks, tiles)
     tiles_per_split = -(-tiles // splits)
     rows = head_blocks * ROWS
-    q_rows = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, rows - num_heads), (0, 0)))
+    q_rows = q.astype(jnp.bfloat16).reshape(num_seqs, q_len * num_heads, WIDTH)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, rows - q_len * num_heads), (0, 0)))
     kernel = functools.partial(_kernel, layer=layer, scale=float(scale), tiles_per_page=tiles_per_page,
-                               tiles_per_split=tiles_per_split, chunk=chunk, stages=stages)
+                               tiles_per_split=tiles_per_split, chunk=chunk, stages=stages, q_len=q_len,
+                               num_heads=num_heads)
     interpret = not on_gpu() if interpret is None else interpret
     p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=_transforms(BLOCK_KV))] if interpret else []
     o_parts, lse_parts = plgpu.kernel(
@@ -179,5 +192,5 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
                        plgpu.Barrier(num_barriers=1), *p_smem],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_rows, pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
-    o, lse = merge_partials(o_parts[:, :, :num_heads], lse_parts[:, :, :num_heads])
-    return o.astype(q.dtype), lse
+    o, lse = merge_partials(o_parts[:, :, :q_len * num_heads], lse_parts[:, :, :q_len * num_heads])
+    return o.astype(q.dtype).reshape(num_tokens, num_heads, RANK), lse.reshape(num_tokens, num_heads)
