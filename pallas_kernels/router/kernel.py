@@ -32,23 +32,6 @@ BLOCK_T = 16  # rows per logits program (the MMA's minimum)
 TARGET_PROGRAMS = 128  # about one per SM of the H200
 
 
-def _partial_logits(x_ref, w_ref, *, tile, layer, block_d, block_e, steps):
-    """fp32 ``[BLOCK_T, block_e]`` logits of row tile ``tile``, expert block ``program_id(1)``, D part
-    ``program_id(2)`` (rows past ``T`` are zero)."""
-    e_block, part = pl.program_id(1), pl.program_id(2)
-    rows = pl.ds(tile * BLOCK_T, BLOCK_T)
-    row_mask = (tile * BLOCK_T + jnp.arange(BLOCK_T)) < x_ref.shape[0]
-    cols = pl.ds(pl.multiple_of(e_block * block_e, block_e), block_e)
-
-    def body(i, acc):
-        d = pl.ds(pl.multiple_of((part * steps + i) * block_d, block_d), block_d)
-        x = pltriton.load(x_ref.at[rows, d], mask=row_mask[:, None], other=0.0).astype(jnp.float32)
-        w = w_ref[layer, d, cols].astype(jnp.float32)
-        return acc + jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-    return jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_T, block_e), jnp.float32)), cols
-
-
 def _sum_parts(partial_ref, row, width, experts):
     """``[1, width]``: row ``row`` of ``partial_ref [parts, T, E]`` summed over the parts (lanes past E are 0).
     The parts are a static unroll: independent loads, all in flight at once."""
@@ -84,11 +67,21 @@ def _load_bias(bias_ref, layer, width, experts):
 
 
 def _logits_kernel(x_ref, w_ref, o_ref, *, layer, block_d, block_e, steps):
-    tile = pl.program_id(0)
-    acc, cols = _partial_logits(x_ref, w_ref, tile=tile, layer=layer, block_d=block_d, block_e=block_e,
-                                steps=steps)
+    """fp32 partial logits of row tile ``program_id(0)`` (16 rows), expert block ``program_id(1)``, D part
+    ``program_id(2)``, into ``o_ref [parts, T, E]``."""
+    tile, e_block, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(tile * BLOCK_T, BLOCK_T)
     row_mask = (tile * BLOCK_T + jnp.arange(BLOCK_T)) < x_ref.shape[0]
-    pltriton.store(o_ref.at[pl.program_id(2), pl.ds(tile * BLOCK_T, BLOCK_T), cols], acc, mask=row_mask[:, None])
+    cols = pl.ds(pl.multiple_of(e_block * block_e, block_e), block_e)
+
+    def body(i, acc):
+        d = pl.ds(pl.multiple_of((part * steps + i) * block_d, block_d), block_d)
+        x = pltriton.load(x_ref.at[rows, d], mask=row_mask[:, None], other=0.0).astype(jnp.float32)
+        w = w_ref[layer, d, cols].astype(jnp.float32)
+        return acc + jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_T, block_e), jnp.float32))
+    pltriton.store(o_ref.at[part, rows, cols], acc, mask=row_mask[:, None])
 
 
 def _topk_kernel(partial_ref, bias_ref, weights_ref, ids_ref, *, layer, select):
