@@ -297,9 +297,10 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
 
 
 def run_mgpu(report: dict, ceil: dict, over) -> None:
-    """Long-context decode: the Mosaic-GPU warpgroup kernel (two accumulator chunk widths) against the Triton
-    kernel's default tiling, same inputs; the first case of each H also checks their outputs agree."""
-    from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu
+    """Long-context decode: the Mosaic-GPU warpgroup kernel (accumulator chunks of 64 / 128 columns, one wave
+    of KV splits or two) against the Triton kernel's default tiling, same inputs; the first case of each H also
+    checks their outputs agree."""
+    from pallas_kernels.mla.decode_mgpu import default_splits, mla_decode_mgpu
 
     report["mgpu"] = []
     for num_heads in (32, 96):
@@ -312,9 +313,10 @@ def run_mgpu(report: dict, ceil: dict, over) -> None:
             q = jax.random.normal(jax.random.key(num_heads), (batch, num_heads, W), jnp.bfloat16)
             nbytes, _, roof = decode_roofline(batch, context, num_heads, ceil)
             triton = decode_fn({})
-            variants = {f"mgpu_chunk{c}": jax.jit(lambda q, p, t, n, c=c: mla_decode_mgpu(q, p, t, n, scale=SCALE,
-                                                                                          chunk=c))
-                        for c in (64, 128)}
+            one_wave = default_splits(batch, -(-num_heads // 64), tables.shape[1] * BLOCK_SIZE // 64)
+            variants = {f"mgpu_chunk{c}_splits{n}": jax.jit(
+                lambda q, p, t, ctx, c=c, n=n: mla_decode_mgpu(q, p, t, ctx, scale=SCALE, chunk=c, splits=n))
+                for c, n in ((64, one_wave), (128, one_wave), (64, 2 * one_wave))}
 
             def measure(row, q=q, pages=pages, tables=tables, ctx=ctx, cu=cu, roof=roof, triton=triton,
                         variants=variants, batch=batch, context=context):
@@ -324,7 +326,7 @@ def run_mgpu(report: dict, ceil: dict, over) -> None:
                     row[f"{name}_cache_TBps"] = batch * context * 2 * W / sec / 1e12
                     row[f"{name}_pct_roof"] = 100 * roof / sec
                 if not report["mgpu"] or report["mgpu"][-1]["H"] != row["H"]:
-                    (o_t, lse_t), (o_m, lse_m) = triton(q, pages, tables, ctx, cu), variants["mgpu_chunk64"](
+                    (o_t, lse_t), (o_m, lse_m) = triton(q, pages, tables, ctx, cu), next(iter(variants.values()))(
                         q, pages, tables, ctx)
                     row["max_abs_diff_o"] = float(jnp.max(jnp.abs(o_t.astype(jnp.float32) - o_m.astype(jnp.float32))))
                     row["max_abs_diff_lse"] = float(jnp.max(jnp.abs(lse_t - lse_m)))

@@ -48,7 +48,7 @@ ROWS = 64  # query rows per CTA: one warpgroup's wgmma M
 BLOCK_KV = 64  # keys per pipeline step
 WIDTH = 576  # latent (512) + rope key (64) columns per cache row
 RANK = 512
-TARGET_CTAS = 264  # two waves of the H200's 132 SMs
+NUM_SMS = 132  # H200; one CTA fits per SM (216 KB of shared memory)
 
 
 def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
@@ -140,8 +140,10 @@ def _transforms(minor: int):
 
 
 def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
-    """KV splits per (sequence, head block): enough CTAs for two waves of the H200, at most one per tile."""
-    return max(1, min(tiles, -(-TARGET_CTAS // (num_seqs * head_blocks))))
+    """KV splits per (sequence, head block): as many as one wave of CTAs holds (one CTA per SM), at most one per
+    tile. Rounding up instead would start a second, nearly empty wave (batch 16: 17 splits = 272 CTAs = three
+    waves, the last of 8), and every split also writes a 128 KB fp32 partial that the merge reads back."""
+    return max(1, min(tiles, NUM_SMS // (num_seqs * head_blocks)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "splits", "stages", "chunk", "interpret"))

@@ -78,9 +78,10 @@ def test_layer_of_stacked_pages_and_bad_arguments(rng):
         mla_decode_mgpu(q, pages, batch.block_tables, batch.context_lens, scale=SCALE, q_len=2)
 
 
-def test_default_splits_fill_two_waves_without_empty_splits():
-    assert default_splits(16, 1, 512) == 17  # batch 16, H=32, 32K context in 64-key steps: 272 CTAs
-    assert default_splits(64, 2, 4096) == 3
+def test_default_splits_fill_one_wave_without_empty_splits():
+    assert default_splits(16, 1, 512) == 8  # batch 16, H=32, 32K context in 64-key steps: 128 CTAs
+    assert default_splits(64, 2, 512) == 1  # batch 64, H=96: 128 CTAs already
+    assert default_splits(1, 1, 2048) == 132  # batch 1, 128K context
     assert default_splits(1, 1, 5) == 5  # never more splits than tiles
 
 
