@@ -54,9 +54,9 @@ def _nibble_ptx(mask: int, magnitude_shift: int, sign_shift: int) -> str:
     magnitude, sign = f"0x{(mask & 0x77) * 0x10001:08X}", f"0x{(mask & 0x88) * 0x10001:08X}"
     halves = []
     for out, selector in ((0, "0x4140"), (1, "0x4342")):
-        halves.append(f"prmt.b32 p, $2, 0, {selector}; and.b32 v, p, {magnitude}; shl.b32 v, v, {magnitude_shift}; "
+        halves.append(f"prmt.b32 p, $2, z, {selector}; and.b32 v, p, {magnitude}; shl.b32 v, v, {magnitude_shift}; "
                       f"and.b32 s, p, {sign}; shl.b32 s, s, {sign_shift}; or.b32 v, v, s; mul.rn.bf16x2 ${out}, v, c;")
-    return "{ .reg .b32 p, v, s, c; mov.b32 c, 0x7E807E80; " + " ".join(halves) + " }"
+    return "{ .reg .b32 p, v, s, c, z; mov.b32 c, 0x7E807E80; mov.b32 z, 0; " + " ".join(halves) + " }"
 
 
 _LOW_NIBBLES_PTX = _nibble_ptx(0x0F, 6, 12)  # magnitude bits 2..0 -> 8..6, sign bit 3 -> 15

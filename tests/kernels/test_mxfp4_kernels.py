@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -406,3 +408,20 @@ def test_inline_ptx_decode_is_exact_for_every_byte():
             want = E2M1_VALUES[[nibble(b) for b in data]]
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (no GPU needed)")
+def test_inline_ptx_assembles_for_hopper(tmp_path):
+    """The decode's asm, in the operand form Triton gives it (two b32 outputs, one b32 input), compiles for
+    sm_90 with nvcc + ptxas: syntax, operand kinds and the bf16x2 multiply's availability on Hopper."""
+    from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX
+
+    body = "\n".join(f'  asm volatile("{ptx.replace("$", "%")}" : "=r"(out[{2 * i}]), "=r"(out[{2 * i + 1}]) '
+                     f': "r"(word));' for i, ptx in enumerate((_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX)))
+    source = tmp_path / "decode.cu"
+    source.write_text("#include <cstdint>\n__global__ void decode(const uint32_t* in, uint32_t* o) {\n"
+                      "  uint32_t word = in[threadIdx.x]; uint32_t out[4];\n" + body +
+                      "\n  for (int i = 0; i < 4; ++i) o[4 * threadIdx.x + i] = out[i];\n}\n")
+    result = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "decode.o")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
