@@ -13,10 +13,13 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
+from pallas_kernels.attnres import kernel as attnres_kernel
 from pallas_kernels.greedy import kernel as greedy_kernel
 from pallas_kernels.kda import chunk as kda_chunk
 from pallas_kernels.kda import recurrent as kda_recurrent
 from pallas_kernels.mla import absorb as mla_absorb
+from pallas_kernels.mla import attention as mla_attention
+from pallas_kernels.mla import prefill as mla_prefill
 from pallas_kernels.mxfp4 import kernel as gemm_kernel
 from pallas_kernels.rmsnorm import PartialSum
 from pallas_kernels.rmsnorm import kernel as rmsnorm_kernel
@@ -32,8 +35,8 @@ def cuda_lowering(monkeypatch):
 
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200)
-    for module in (greedy_kernel, kda_chunk, kda_recurrent, gemm_kernel, mla_absorb, rmsnorm_kernel,
-                   router_kernel):
+    for module in (attnres_kernel, greedy_kernel, kda_chunk, kda_recurrent, gemm_kernel, mla_absorb, mla_attention,
+                   mla_prefill, rmsnorm_kernel, router_kernel):
         monkeypatch.setattr(module, "interpret_mode", lambda: False)
     jax.clear_caches()  # no trace cached in interpret mode may be reused
     yield
@@ -102,6 +105,15 @@ CASES = {
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
     "grouped_gemm_mxfp4_pairs": (mxfp4_pairs_gemm, [S((2, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8),
                                                     S((56, 3072, 112), jnp.uint8), S((16,), jnp.int32)]),
+    "attnres_mix": (attnres_kernel.attnres_mix_pallas, [S((7168,), jnp.float32), S((9, 16, 7168), jnp.float32),
+                                                        S((7168,), jnp.float32)]),
+    "mla_decode_triton": (functools.partial(mla_attention.mla_paged_attention_pallas, scale=0.07, kv_lora_rank=512),
+                          [S((16, 32, 576), jnp.bfloat16), S((9000, 64, 576), jnp.bfloat16), S((16, 512), jnp.int32),
+                           S((16,), jnp.int32), S((17,), jnp.int32)]),
+    "mla_prefill_unabsorbed": (functools.partial(mla_prefill.mla_prefill_attention_pallas, scale=0.07),
+                               [S((8192, 96, 192), jnp.bfloat16), S((8192, 96, 128), jnp.bfloat16),
+                                S((8192, 64), jnp.bfloat16), S((8192, 96, 128), jnp.bfloat16), S((2,), jnp.int32),
+                                S((2,), jnp.int32)]),
     "mla_absorb_queries": (functools.partial(mla_absorb.absorb_queries_pallas, layer=3, k_nope=128),
                            [S((16, 32, 192), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
     "mla_absorb_outputs": (functools.partial(mla_absorb.absorb_outputs_pallas, layer=6, v_dim=128),
