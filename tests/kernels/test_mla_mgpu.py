@@ -1,4 +1,5 @@
-"""The Mosaic-GPU MLA decode kernel (its GPU interpreter on CPU) against the jnp reference.
+"""The Mosaic-GPU MLA decode kernel against the jnp reference: in Mosaic-GPU's interpreter on a CPU, for real on
+a GPU.
 
 Tolerance: the kernel rounds the softmax probabilities to bf16 for the P @ V wgmma (relative 2**-9 per term) and
 the reference keeps them in fp32, and both round o to bf16 (one ulp apart is 2**-8 relative: 0.016 at 2-4), so o
@@ -46,8 +47,7 @@ def test_decode_matches_reference(context_lens, num_heads, block_size, splits, q
     batch = decode_batch(rng, context_lens, num_heads, block_size, q_len)
     pages = jnp.asarray(batch.pages, jnp.bfloat16)
     o, lse = mla_decode_mgpu(jnp.asarray(batch.q, jnp.bfloat16), pages, jnp.asarray(batch.block_tables),
-                             jnp.asarray(batch.context_lens), scale=SCALE, q_len=q_len, splits=splits,
-                             interpret=True)
+                             jnp.asarray(batch.context_lens), scale=SCALE, q_len=q_len, splits=splits)
     want_o, want_lse = reference(batch, pages)
     assert o.shape == (len(context_lens) * q_len, num_heads, RANK) and o.dtype == jnp.bfloat16
     o = np.asarray(o, np.float32)
@@ -65,7 +65,7 @@ def test_layer_of_stacked_pages_and_bad_arguments(rng):
     pages = jnp.asarray(batch.pages, jnp.bfloat16)
     stacked = jnp.stack([jnp.full_like(pages, jnp.nan), pages])
     o, lse = mla_decode_mgpu(jnp.asarray(batch.q, jnp.bfloat16), stacked, jnp.asarray(batch.block_tables),
-                             jnp.asarray(batch.context_lens), scale=SCALE, layer=1, interpret=True)
+                             jnp.asarray(batch.context_lens), scale=SCALE, layer=1)
     want_o, want_lse = reference(batch, pages)
     np.testing.assert_allclose(np.asarray(o, np.float32), want_o, **O_TOL)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
