@@ -1,8 +1,8 @@
 """H200 benchmark: MXFP4 grouped W4A16 GEMM vs bf16 grouped GEMMs at Kimi K3 expert shapes.
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``;
-``BENCH_SUITE=decode`` for the decode-sized cases only; ``BENCH_SUITE=pairs`` for the K3 decode cases in the
-checkpoint byte order against the pair-halves order, no bf16).
+``BENCH_SUITE=decode`` for the decode-sized cases only; ``BENCH_SUITE=pairs`` for the K3 decode cases and one
+8K-token prefill case in the checkpoint byte order against the pair-halves order, no bf16).
 Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
@@ -281,6 +281,8 @@ def main():
     plan = [(t, 56, "decode") for t in (1, 8, 64, 256)] + [(256, 112, "decode")]
     if not decode_only:
         plan += [(t, 56, "prefill") for t in (1024, 8192)] + [(8192, 112, "prefill")]
+    elif SUITE == "pairs":  # one prefill case: the decode's instructions per weight also bound the MMA rate there
+        plan += [(8192, 56, "prefill")]
     for tokens, experts, regime in plan:  # gate+up fused: N = 2 * 3072, K = 3584
         bench_case(rng, tokens, experts, 2 * WIDTH, LATENT, regime, cases)
         save()
