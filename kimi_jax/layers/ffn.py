@@ -145,9 +145,9 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
             widths = [getattr(p, n).shape[-1] for n in names]
         return split_columns(both.astype(F32), widths)
     out = []
-    for n in names:
+    for n, stored in zip(names, packed):
         if mxfp4_packed:
-            w, order = _packed_experts(p, n)
+            w, order = stored
             w = w[j] if order == "checkpoint" else mxfp4.from_pair_halves(w[j])
             w = jnp.swapaxes(mxfp4.dequantize(w, getattr(p, f"{n}_scale")[j], dtype=xs.dtype), -1, -2)
         else:

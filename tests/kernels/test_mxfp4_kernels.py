@@ -64,6 +64,14 @@ def test_tile_schedule():
     assert np.all(sched[0, 4:] == -1)
 
 
+def extreme_scales(x, scales):
+    """Experts 0 and 2 of a 3-expert problem get scales 2**-125..2**-123 and 2**121..2**125; rows 0-19 (expert
+    0's) are scaled by 2**100 and the rest by 2**-110, so the products stay finite."""
+    scales = scales.at[0].set(2 + scales[0] % 3).at[2].set(248 + scales[2] % 5)
+    row_scale = jnp.where(jnp.arange(x.shape[0]) < 20, 2.0 ** 100, 2.0 ** -110)
+    return (x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16), scales
+
+
 # every grouped case has E=3, M=37, N=16, K=64, so the interpret-mode kernels compile once per tile config
 NUM_ROWS = 37
 
@@ -75,9 +83,7 @@ NUM_ROWS = 37
 def test_mxfp4_grouped_matches_reference(group_sizes, extreme):
     x, packed, scales, gs = random_problem(sum(group_sizes), group_sizes, NUM_ROWS)
     if extreme:
-        scales = scales.at[0].set(2 + scales[0] % 3).at[2].set(248 + scales[2] % 5)
-        row_scale = jnp.where(jnp.arange(NUM_ROWS) < 20, 2.0 ** 100, 2.0 ** -110)
-        x = (x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)
+        x, scales = extreme_scales(x, scales)
     got = grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **SMALL_TILES)
     assert got.dtype == jnp.bfloat16
     assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
@@ -331,9 +337,7 @@ def test_mxfp4_pairs_kernel_matches_reference(weight_format, layout, extreme):
     group_sizes = [20, 0, 17]
     x, packed, scales, gs = random_problem(61, group_sizes, NUM_ROWS, n=32, k=128)
     if extreme:
-        scales = scales.at[0].set(2 + scales[0] % 3).at[2].set(248 + scales[2] % 5)
-        row_scale = jnp.where(jnp.arange(NUM_ROWS) < 20, 2.0 ** 100, 2.0 ** -110)
-        x = (x.astype(jnp.float32) * row_scale[:, None]).astype(jnp.bfloat16)
+        x, scales = extreme_scales(x, scales)
     tiles = dict(SMALL_TILES, block_k=64, **layout)
     if layout.get("per_row"):
         rows = jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)
