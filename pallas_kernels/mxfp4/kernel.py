@@ -14,8 +14,9 @@ prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4
 ``weight_format="mxfp4_pairs"`` reads the pair-halves byte order (:func:`kimi_jax.quant.mxfp4.to_pair_halves`):
 per 64 columns, 32 bytes whose low nibbles are one MX block and high nibbles the next. Each block is then
 decoded from one nibble of a ``[block_n, 32]`` byte tile (no interleave of low and high nibbles, no ``[bn, bk]``
-broadcast of the scales) and multiplied by ``x``'s 32 matching columns in its own K=32 dot; its scale multiplies
-the fp32 ``[block_n, block_m]`` product (a power of two: exact, and no bf16 subnormal on the way).
+broadcast of the scales) and multiplied by ``x``'s 32 matching columns in its own K=32 dot. With row tiles below
+``SCALE_WEIGHTS_FROM_ROWS`` its scale multiplies the fp32 ``[block_n, block_m]`` product (a power of two: exact,
+and no bf16 subnormal on the way); larger row tiles scale the decoded bf16 weights as the checkpoint order does.
 
 On the GPU the pair-halves decode is inline PTX: per 4 bytes, two ``prmt`` place bytes
 in the low halves of two bf16 pairs, then per nibble half two ``and`` + two ``shl`` + ``or`` put the 3 magnitude
@@ -40,6 +41,8 @@ from pallas_kernels.mxfp4.tiles import make_tile_schedule
 MX_BLOCK = 32
 PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp")
 """Pair-halves formats: inline-PTX decode on the GPU (jnp in interpret mode), and the jnp decode everywhere."""
+SCALE_WEIGHTS_FROM_ROWS = 64
+"""Pair-halves row tiles of at least this many rows scale the decoded weights, not each block's product."""
 
 
 def _e2m1_to_bf16(codes: jax.Array) -> jax.Array:
@@ -127,9 +130,12 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         """This program's output tile from one weight matrix, whose column tiles start at ``first_tile``."""
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
-        def pair_products(k):  # "mxfp4_pairs": one K=32 dot per MX block, its scale applied to the product
+        def pair_products(k, acc):
+            """"mxfp4_pairs": one K=32 dot per MX block. Small row tiles scale the fp32 product by the block's
+            scale (block_m x block_n multiplies, fewer than the block_n x 32 of scaling the weights); tiles of
+            SCALE_WEIGHTS_FROM_ROWS rows or more scale the bf16 weights instead, so that every dot accumulates
+            in place (a separate [block_m, block_n] fp32 product per block spills at 128 x 256)."""
             packed_ref, scales_ref = part_refs
-            total = 0.0
             for pair in range(block_k // (2 * MX_BLOCK)):  # static
                 first_byte = pl.multiple_of(k * (block_k // 2) + pair * MX_BLOCK, MX_BLOCK)
                 packed = packed_ref[expert, cols, pl.ds(first_byte, MX_BLOCK)]  # [bn, 32] uint8
@@ -137,16 +143,21 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                     block = k * (block_k // MX_BLOCK) + 2 * pair + half
                     x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
                                       mask=x_mask[:, None], other=0.0)
-                    scale = e8m0_to_float32(scales_ref[expert, cols, block])  # [bn]
-                    if weights_lhs:
-                        total = total + jnp.dot(w, x.T, preferred_element_type=jnp.float32) * scale[:, None]
+                    scale_codes = scales_ref[expert, cols, block]  # [bn] uint8
+                    if block_m >= SCALE_WEIGHTS_FROM_ROWS:
+                        w = w * _e8m0_to_bf16(scale_codes)[:, None]
+                        product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
+                            x, w.T, preferred_element_type=jnp.float32)
                     else:
-                        total = total + jnp.dot(x, w.T, preferred_element_type=jnp.float32) * scale[None, :]
-            return total
+                        scale = e8m0_to_float32(scale_codes)
+                        product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) * scale[:, None] \
+                            if weights_lhs else jnp.dot(x, w.T, preferred_element_type=jnp.float32) * scale[None, :]
+                    acc = acc + product
+            return acc
 
         def body(k, acc):
             if weight_format in PAIRS_FORMATS:
-                return acc + pair_products(k)
+                return pair_products(k, acc)
             x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
                               mask=x_mask[:, None], other=0.0)
             if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand

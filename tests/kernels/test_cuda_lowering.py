@@ -73,6 +73,13 @@ def mxfp4_pairs_gemm(x, packed, scales, row_experts):
                                                   weights_lhs=True, num_stages=4)
 
 
+def mxfp4_pairs_prefill_gemm(x, packed, scales, group_sizes):
+    """K3's expert gate projection at prefill (8192 rows over 56 experts) in the pair-halves byte order: the
+    128 x 256 row tile that scales the decoded weights."""
+    return gemm_kernel.grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4_pairs",
+                                           block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+
+
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     """Kimi-Linear's varlen prefill (H=32, K=V=128): in-kernel gate and L2 norm; the softplus gate takes the
     pairwise diagonal blocks, the lower bound the midpoint ones."""
@@ -105,6 +112,9 @@ CASES = {
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
     "grouped_gemm_mxfp4_pairs": (mxfp4_pairs_gemm, [S((2, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8),
                                                     S((56, 3072, 112), jnp.uint8), S((16,), jnp.int32)]),
+    "grouped_gemm_mxfp4_pairs_prefill": (mxfp4_pairs_prefill_gemm, [
+        S((8192, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8), S((56, 3072, 112), jnp.uint8),
+        S((56,), jnp.int32)]),
     "attnres_mix": (attnres_kernel.attnres_mix_pallas, [S((7168,), jnp.float32), S((9, 16, 7168), jnp.float32),
                                                         S((7168,), jnp.float32)]),
     "mla_decode_triton": (functools.partial(mla_attention.mla_paged_attention_pallas, scale=0.07, kv_lora_rank=512),

@@ -330,10 +330,12 @@ def test_pair_halves_byte_order():
     ("mxfp4_pairs", dict(weights_lhs=False, split_k=1), True),   # scales 2**-125..2**-123 / 2**121..2**125
     ("mxfp4_pairs", dict(weights_lhs=True, per_row=True), False),  # one row per (token, expert) pair, unsorted
     ("mxfp4_pairs_jnp", dict(weights_lhs=True, split_k=1), True),  # the jnp decode (on the GPU too)
+    ("mxfp4_pairs", dict(weights_lhs=False, block_m=64), True),  # prefill-sized row tile: scaled weights
+    ("mxfp4_pairs_jnp", dict(weights_lhs=True, block_m=64), False),
 ])
 def test_mxfp4_pairs_kernel_matches_reference(weight_format, layout, extreme):
-    """The pair-halves kernel path (one K=32 dot per MX block, the scale applied to its fp32 product) equals the
-    float32 reference on the checkpoint bytes, within the bf16 output rounding of TOL."""
+    """The pair-halves kernel path (one K=32 dot per MX block, the scale applied to its fp32 product, or to the
+    decoded weights for row tiles of 64 and more) equals the float32 reference on the checkpoint bytes, within the bf16 output rounding of TOL."""
     group_sizes = [20, 0, 17]
     x, packed, scales, gs = random_problem(61, group_sizes, NUM_ROWS, n=32, k=128)
     if extreme:
