@@ -34,6 +34,35 @@ def test_moe_pallas_equals_reference(variant, tokens, row_pairs, rng, monkeypatc
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_shared_expert_fused_into_the_routed_launch(tokens, rng, monkeypatch):
+    """FUSE_SHARED_EXPERT (bf16 experts, no latent, per-row decode path): the shared expert runs as one more row
+    per token in the routed launches and the layer's output equals the unfused Pallas path and the reference;
+    with a latent projection (K3) or MXFP4 experts the flag does not apply."""
+    monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", 32)
+    cfg = ModelConfig(**BASE)
+    stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)
+    want = np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32)
+    unfused = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
+    monkeypatch.setattr(ffn, "FUSE_SHARED_EXPERT", True)
+    assert ffn._fuses_shared_expert(stack, x, cfg, "pallas")
+    fused = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
+    assert np.isfinite(fused).all()
+    for other in (want, unfused):
+        assert np.linalg.norm(fused - other) / np.linalg.norm(other) < 2e-2
+    shared_only = np.asarray(ffn.total(ffn._glu_mlp(x, stack.shared_gate, stack.shared_up, stack.shared_down, 0, cfg,
+                                                    "reference"), jnp.float32))
+    assert np.linalg.norm(fused - (want - shared_only)) > 0.1 * np.linalg.norm(want)  # the shared part is in it
+    assert not ffn._fuses_shared_expert(stack, x, cfg, "reference")
+    assert not ffn._fuses_shared_expert(stack, jnp.zeros((9, cfg.hidden_size), jnp.bfloat16), cfg, "pallas")  # 36 pairs
+    latent = ModelConfig(**BASE, latent_dim=32, latent_norm=True)
+    latent_stack = MoEStack(latent, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not ffn._fuses_shared_expert(latent_stack, x, latent, "pallas")
+    packed = ModelConfig(**BASE, experts_mxfp4=True)
+    assert not ffn._fuses_shared_expert(MoEStack(packed, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), x, packed, "pallas")
+
+
 @pytest.mark.parametrize("tokens,row_pairs", [(13, 0), (1, 32)])
 def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs, rng, monkeypatch):
     """use_pair_halves re-orders the packed expert bytes (w*_packed -> w*_pairs); the layer's reference and

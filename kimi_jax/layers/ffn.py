@@ -30,6 +30,10 @@ ROW_EXPERT_MAX_PAIRS = 32
 pairs by expert. Sorting costs about a dozen small kernels per layer (~20 us on the H200 at batch 1); unsorted,
 an expert chosen by several pairs is streamed once per pair, which at 256 experts costs more than that beyond
 ~32 pairs (expected repeats grow with pairs / experts)."""
+FUSE_SHARED_EXPERT = False
+"""On the per-row (decode) path with bf16 experts and no latent projection (Kimi-Linear), run the shared expert
+as one more row of each token in the routed expert launches (two launches and about two XLA fusions fewer per
+MoE layer). Off until measured on the H200 (``bench_decode --fuse-shared-expert``)."""
 
 
 class DenseMLPStack(nnx.Module):
@@ -123,14 +127,16 @@ def _packed_experts(p: MoEStack, name: str) -> tuple[jax.Array, str] | None:
 
 
 def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, impl: str | None, *,
-                   sizes: jax.Array | None = None, row_experts: jax.Array | None = None) -> list[jax.Array]:
+                   sizes: jax.Array | None = None, row_experts: jax.Array | None = None,
+                   shared: tuple[str, ...] = ()) -> list[jax.Array]:
     """Grouped GEMMs of rows ``xs [M, in]`` with routed expert weights ``names`` (same input width) -> one
     ``[M, out]`` f32 product each. Rows are sorted by expert with ``sizes [E]`` rows per expert, or (Pallas
     only) unsorted with ``row_experts [M]`` naming each row's expert.
 
     Pallas: one launch of the W4A16 grouped kernel over the packed MXFP4 bytes of every name (or of the bf16
     grouped kernel); reference: dequantise every expert, then ``lax.ragged_dot`` per name (exact, but XLA
-    lowers it densely on GPU)."""
+    lowers it densely on GPU). ``shared`` (bf16 experts, per-row Pallas path): the shared expert's weight
+    names, one per name, for the rows naming ``SHARED_EXPERT``."""
     packed = [_packed_experts(p, n) for n in names]
     mxfp4_packed = packed[0] is not None
     if resolve_impl(impl) == "pallas":
@@ -141,7 +147,8 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
                 byte_order=packed[0][1], **rows)
             widths = [w.shape[-2] for w, _ in packed]
         else:
-            both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows)
+            both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows,
+                                                  shared=[getattr(p, n)[...] for n in shared])
             widths = [getattr(p, n).shape[-1] for n in names]
         return split_columns(both.astype(F32), widths)
     out = []
@@ -156,22 +163,43 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     return out
 
 
+def _row_path(t_rows: int, k: int, impl: str | None) -> bool:
+    """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS)."""
+    return t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
+
+
+def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str | None) -> bool:
+    """FUSE_SHARED_EXPERT applies: per-row path, bf16 experts, shared expert as wide as a routed one, and both
+    reading the same input (no latent projection)."""
+    return (FUSE_SHARED_EXPERT and cfg.num_shared_experts > 0 and cfg.latent_dim is None
+            and _packed_experts(p, "w1") is None and p.shared_gate.shape[-1] == p.w1.shape[-1]
+            and _row_path(x.shape[0], cfg.num_experts_per_token, impl))
+
+
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
-                   cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
+                   cfg: ModelConfig, *, impl: str | None = None, with_shared: bool = False) -> jax.Array:
     """Sort (token, choice) pairs by expert, run the grouped GLU experts, combine: z [T, Din] -> [T, Din].
 
     Pallas with at most ``ROW_EXPERT_MAX_PAIRS`` pairs (decode): the pairs stay in (token, choice) order and
-    each row names its expert, so no sort, gather, group count or scatter runs around the expert GEMMs."""
+    each row names its expert, so no sort, gather, group count or scatter runs around the expert GEMMs.
+    ``with_shared`` (that path only, see :func:`_fuses_shared_expert`): each token gets one more row, the shared
+    expert's, with weight 1, so the result includes the shared expert's output."""
+    if with_shared:
+        t_rows = idx.shape[0]
+        idx = jnp.concatenate([idx, jnp.full((t_rows, 1), gemm_ops.SHARED_EXPERT, idx.dtype)], axis=1)
+        weights = jnp.concatenate([weights, jnp.ones((t_rows, 1), weights.dtype)], axis=1)
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
     dtype = z.dtype
-    if t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas":
+    if with_shared or _row_path(t_rows, k, impl):
         order, xs, rows = None, z, dict(row_experts=flat)  # the kernel reads token t's row for its k pairs
     else:
         order = jnp.argsort(flat, stable=True)
         xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))
-    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows)
-    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows)
+    shared = dict(shared=("shared_gate", "shared_up")) if with_shared else {}
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows, **shared)
+    shared = dict(shared=("shared_down",)) if with_shared else {}
+    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows, **shared)
     y = ys if order is None else jnp.zeros_like(ys).at[order].set(ys)  # back to (token, choice) order
     return jnp.einsum("tkd,tk->td", y.reshape(t_rows, k, -1), weights).astype(dtype)
 
@@ -187,11 +215,12 @@ def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None
         scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,
         layer=j, impl=impl)
     z = stacked_linear(x, p.latent_down, j, impl=impl) if cfg.latent_dim is not None else x
-    y = routed_experts(p, j, z, weights, idx, cfg, impl=impl)
+    fused = _fuses_shared_expert(p, x, cfg, impl)
+    y = routed_experts(p, j, z, weights, idx, cfg, impl=impl, with_shared=fused)
     if cfg.latent_dim is not None:
         if cfg.latent_norm:
             y = rms_norm(y, p.latent_norm[j], cfg.rms_norm_eps)
         y = stacked_linear(y, p.latent_up, j, impl=impl)
-    if cfg.num_shared_experts:
+    if cfg.num_shared_experts and not fused:
         y = y + total(_glu_mlp(x, p.shared_gate, p.shared_up, p.shared_down, j, cfg, impl), y.dtype)
     return y

@@ -41,6 +41,8 @@ from pallas_kernels.mxfp4.tiles import make_tile_schedule
 MX_BLOCK = 32
 PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp")
 """Pair-halves formats: inline-PTX decode on the GPU (jnp in interpret mode), and the jnp decode everywhere."""
+SHARED_EXPERT = -1
+"""Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
 SCALE_WEIGHTS_FROM_ROWS = 64
 """Pair-halves row tiles of at least this many rows scale the decoded weights, not each block's product."""
 
@@ -94,8 +96,10 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs, split_k, part_tiles, x_repeat, pairs_decode):
+                    weights_lhs, split_k, part_tiles, x_repeat, pairs_decode, shared):
     *w_refs, o_ref = refs
+    shared_refs = w_refs[len(w_refs) // 2:] if shared else ()  # the shared expert's matrices, after the routed
+    w_refs = w_refs[:len(w_refs) // 2] if shared else w_refs
     per_part = len(w_refs) // len(part_tiles)  # arrays per weight matrix: 1 (bf16) or 2 (packed + scales)
     t, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if x_repeat:  # per row: sched_ref is row_experts [M]; tile t is output row t, from x row t // x_repeat
@@ -104,7 +108,6 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         x_mask = jnp.arange(block_m) < 1
     else:
         group, first_row, end_row = sched_ref[0, t], sched_ref[1, t], sched_ref[2, t]
-    expert = group + offset_ref[0]  # row of the weight arrays
     rows = pl.ds(first_row, block_m)
     # split_k > 1: fp32 partial sums [M, split_k * N], part ``split`` in columns [split * N, (split + 1) * N)
     out_cols = pl.ds(pl.multiple_of((split * (o_ref.shape[1] // split_k)) + j * block_n, block_n), block_n)
@@ -113,7 +116,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         x_rows, x_mask = rows, row_mask
     num_k = x_ref.shape[1] // block_k // split_k  # K steps of this program, from ``split * num_k``
 
-    def weight_tile(part_refs, cols, k):  # bf16 [block_n, block_k]
+    def weight_tile(part_refs, expert, cols, k):  # bf16 [block_n, block_k] of weight row ``expert``
         k_cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
         if weight_format == "bf16":
             return part_refs[0][expert, k_cols, cols].T
@@ -126,8 +129,9 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                                   block_k // MX_BLOCK)]
         return _decode_mxfp4_tile(packed, scales)
 
-    def tile_product(part_refs, first_tile):
-        """This program's output tile from one weight matrix, whose column tiles start at ``first_tile``."""
+    def tile_product(part_refs, first_tile, expert):
+        """This program's output tile from one weight matrix (its row ``expert``), whose column tiles start at
+        ``first_tile``."""
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
         def pair_products(k, acc):
@@ -161,8 +165,8 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
             x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
                               mask=x_mask[:, None], other=0.0)
             if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
-                return acc + jnp.dot(weight_tile(part_refs, cols, k), x.T, preferred_element_type=jnp.float32)
-            return acc + jnp.dot(x, weight_tile(part_refs, cols, k).T, preferred_element_type=jnp.float32)
+                return acc + jnp.dot(weight_tile(part_refs, expert, cols, k), x.T, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(x, weight_tile(part_refs, expert, cols, k).T, preferred_element_type=jnp.float32)
 
         acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
         acc = jax.lax.fori_loop(split * num_k, (split + 1) * num_k, body, jnp.zeros(acc_shape, jnp.float32))
@@ -172,8 +176,12 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
     first_tile = 0
     for part, tiles in enumerate(part_tiles):  # static: one code path per weight matrix
         part_refs = w_refs[part * per_part:(part + 1) * per_part]
-        pl.when((group >= 0) & (group < num_experts) & (j >= first_tile) & (j < first_tile + tiles))(
-            functools.partial(tile_product, part_refs, first_tile))
+        in_part = (j >= first_tile) & (j < first_tile + tiles)
+        pl.when((group >= 0) & (group < num_experts) & in_part)(
+            functools.partial(tile_product, part_refs, first_tile, group + offset_ref[0]))
+        if shared:  # rows naming SHARED_EXPERT use the shared expert's matrices, at row offset_ref[1]
+            pl.when((group == SHARED_EXPERT) & in_part)(functools.partial(
+                tile_product, shared_refs[part * per_part:(part + 1) * per_part], first_tile, offset_ref[1]))
         first_tile += tiles
 
     @pl.when(group == num_experts)  # rows past sum(group_sizes)
@@ -219,7 +227,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
                                expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                                block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                                weights_lhs: bool = False, split_k: int = 1, per_row: bool = False,
-                               sum_splits: bool = True) -> jax.Array:
+                               sum_splits: bool = True, shared: tuple[tuple[jax.Array, ...], ...] = (),
+                               shared_offset: jax.Array | int = 0) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
     side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
@@ -232,8 +241,16 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     row.
 
     ``sum_splits=False``: ``[M, split_k, sum N_i]`` instead, the split-K partial products unsummed (float32;
-    ``x.dtype`` when ``split_k == 1``), for a consumer that adds them itself (the residual add + RMSNorm)."""
+    ``x.dtype`` when ``split_k == 1``), for a consumer that adds them itself (the residual add + RMSNorm).
+
+    ``shared`` (per-row only): the shared expert's matrices, one per entry of ``matrices`` with the same format
+    and width (leading size: layers); rows whose expert is ``SHARED_EXPERT`` use their row ``shared_offset``.
+    The shared expert then runs as one more row of the routed launch instead of launches of its own."""
     dim_k = x.shape[1]
+    if shared and (not per_row or len(shared) != len(matrices)
+                   or [_output_width(w, weight_format) for w in shared]
+                   != [_output_width(w, weight_format) for w in matrices]):
+        raise ValueError("shared needs per_row and one matrix of the same width per routed matrix")
     num_rows = group_sizes.shape[0] if per_row else x.shape[0]
     if per_row and num_rows % x.shape[0]:
         raise ValueError(f"row_experts has {num_rows} rows, not a multiple of x's {x.shape[0]}")
@@ -248,13 +265,14 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
     schedule = group_sizes.astype(jnp.int32) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
-    offset = jnp.asarray(expert_offset, jnp.int32).reshape(1)
-    flat = [a for w in matrices for a in w]
+    offset = jnp.stack([jnp.asarray(expert_offset, jnp.int32), jnp.asarray(shared_offset, jnp.int32)])
+    flat = [a for w in (*matrices, *shared) for a in w]
     kernel = functools.partial(_grouped_kernel, num_experts=num_experts, block_m=block_m, block_n=block_n,
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs,
                                split_k=split_k, part_tiles=tuple(n // block_n for n in widths),
                                x_repeat=num_rows // x.shape[0] if per_row else 0,
-                               pairs_decode="asm" if weight_format == "mxfp4_pairs" and not interpret_mode() else "jnp")
+                               pairs_decode="asm" if weight_format == "mxfp4_pairs" and not interpret_mode() else "jnp",
+                               shared=bool(shared))
     out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
         (num_rows, split_k * dim_n), jnp.float32)
     result = pl.pallas_call(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from kimi_jax.quant.mxfp4 import dequantize, from_pair_halves
 from pallas_kernels.impl import resolve_impl
-from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas
+from pallas_kernels.mxfp4.kernel import SHARED_EXPERT, grouped_gemm_concat_pallas
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_matmul_reference, rows_matmul_reference
 
 
@@ -155,7 +155,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
 
 def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: jax.Array | None = None, *,
                           row_experts: jax.Array | None = None, transpose_rhs: bool = False,
-                          layer: int | None = None, impl: str | None = None, sum_splits: bool = True) -> jax.Array:
+                          layer: int | None = None, impl: str | None = None, sum_splits: bool = True,
+                          shared: Sequence[jax.Array] = ()) -> jax.Array:
     """:func:`grouped_matmul` against several weights of the same K and leading shape: ``[M, sum N_i]``, the
     products side by side, from one kernel launch (Pallas).
 
@@ -166,14 +167,25 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     around the call; an expert named by several rows is read once per row, so it suits only a few rows.
 
     ``sum_splits=False``: ``[M, P, sum N_i]``, partial products that sum to the result (the kernel's split-K
-    parts, float32; ``P = 1`` on the reference path), for a consumer that adds them itself."""
+    parts, float32; ``P = 1`` on the reference path), for a consumer that adds them itself.
+
+    ``shared`` (with ``row_experts`` and ``layer``): the shared expert's stacked weights ``[L, K, N_i]`` (``[L,
+    N_i, K]`` with ``transpose_rhs``), one per entry of ``ws``; rows whose expert is ``SHARED_EXPERT`` (-1) use
+    layer ``layer`` of them, in the same launch as the routed rows."""
     groups, per_row = _groups(group_sizes, row_experts, x)
+    if shared and (not per_row or layer is None or len(shared) != len(ws)):
+        raise ValueError("shared needs row_experts, layer and one shared matrix per routed matrix")
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
+        if shared:  # the shared expert as one more expert row, after the routed ones
+            ws = [jnp.concatenate([pick(w), v[layer][None]]) for w, v in zip(ws, shared)]
+            pick = lambda a: a  # noqa: E731
+            groups = jnp.where(groups == SHARED_EXPERT, ws[0].shape[0] - 1, groups)
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         out = jnp.concatenate([product(x, jnp.swapaxes(pick(w), 1, 2) if transpose_rhs else pick(w), groups)
                                for w in ws], axis=-1)
         return out if sum_splits else out[:, None, :]
+    extra = dict(shared=tuple((v,) for v in shared), shared_offset=layer) if shared else {}
     ws, offset = _flatten_layers(layer, *ws)
     widths = tuple(w.shape[1] if transpose_rhs else w.shape[2] for w in ws)
     dim_k = ws[0].shape[2] if transpose_rhs else ws[0].shape[1]
@@ -181,4 +193,4 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
     return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), groups, offset,
                                       weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row,
-                                      sum_splits=sum_splits, **cfg)
+                                      sum_splits=sum_splits, **cfg, **extra)

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
+    parser.add_argument("--fuse-shared-expert", action="store_true",
+                        help="run the shared expert as one more row of the routed expert launches at decode "
+                             "(kimi_jax.layers.ffn.FUSE_SHARED_EXPERT; bf16 experts without a latent projection)")
     parser.add_argument("--mxfp4-pairs", action="store_true",
                         help="re-order MXFP4 expert bytes into the pair-halves order (kimi_jax.layers.ffn."
                              "use_pair_halves) before building the runner")
@@ -116,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
     if args.skinny_rows >= 0:
         common.SKINNY_MAX_ROWS = args.skinny_rows
+    if args.fuse_shared_expert:
+        from kimi_jax.layers import ffn
+
+        ffn.FUSE_SHARED_EXPERT = True
     start = time.perf_counter()
     full = get_preset(args.preset)
     n = args.layers

@@ -60,6 +60,14 @@ def grouped_gemm(x, w1, w3, row_experts):
                                                   weights_lhs=True, num_stages=4)
 
 
+def grouped_gemm_shared(x, w1, w3, shared_gate, shared_up, row_experts):
+    """Kimi-Linear's decode gate / up projections with the shared expert as the ninth row (layer 3)."""
+    return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
+                                                  per_row=True, block_m=16, block_n=64, block_k=128,
+                                                  weights_lhs=True, num_stages=4,
+                                                  shared=((shared_gate,), (shared_up,)), shared_offset=3)
+
+
 def add_rms_norm_partials(x, split_parts, expert_rows, router_weights, norm_weight):
     """A residual add + norm with split-K parts and router-weighted rows as its addend."""
     partials = PartialSum.of((split_parts, None), (expert_rows, router_weights))
@@ -110,6 +118,9 @@ CASES = {
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
+    "grouped_gemm_per_row_shared": (grouped_gemm_shared, [
+        S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
+        S((26, 2304, 1024), jnp.bfloat16), S((26, 2304, 1024), jnp.bfloat16), S((9,), jnp.int32)]),
     "grouped_gemm_mxfp4_pairs": (mxfp4_pairs_gemm, [S((2, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8),
                                                     S((56, 3072, 112), jnp.uint8), S((16,), jnp.int32)]),
     "grouped_gemm_mxfp4_pairs_prefill": (mxfp4_pairs_prefill_gemm, [

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kimi_jax.quant.mxfp4 import E2M1_VALUES, dequantize, from_pair_halves, to_pair_halves, unpack_codes
-from pallas_kernels.mxfp4 import (grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
+from pallas_kernels.mxfp4 import (SHARED_EXPERT, grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
                                   mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
                                   mxfp4_matmul, mxfp4_matmul_reference)
 from pallas_kernels.mxfp4.kernel import (_e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_concat_pallas,
@@ -297,6 +297,44 @@ def test_per_row_experts_share_x_rows(weight_format):
     assert_rows_close(run(x, "pallas"), want)
     with pytest.raises(ValueError, match="not a multiple"):
         run(x[:2], "pallas")
+
+
+@pytest.mark.parametrize("transpose_rhs,split_k", [(False, 1), (True, 2)])
+def test_shared_expert_rows_join_the_routed_launch(transpose_rhs, split_k):
+    """Rows naming SHARED_EXPERT multiply layer ``layer`` of the shared weights (other layers NaN), the rest
+    their routed expert (layer 0 NaN), in one launch: 2 tokens x (3 routed + 1 shared) rows, two matrices side
+    by side (the gate and up projections), as x @ W row by row."""
+    rng = np.random.default_rng(13)
+    row_experts = jnp.asarray([2, 0, 1, SHARED_EXPERT, 1, 1, 2, SHARED_EXPERT], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
+    layout = (lambda w: jnp.swapaxes(w, -1, -2)) if transpose_rhs else (lambda w: w)  # noqa: E731
+    routed = [jnp.asarray(rng.standard_normal((2, 3, 64, n)), jnp.float32).at[0].set(jnp.nan) for n in (32, 16)]
+    shared = [jnp.asarray(rng.standard_normal((3, 64, n)), jnp.float32).at[jnp.asarray([0, 2])].set(jnp.nan)
+              for n in (32, 16)]
+    routed_bf16 = [layout(w).astype(jnp.bfloat16) for w in routed]
+    shared_bf16 = [layout(w).astype(jnp.bfloat16) for w in shared]
+    args = dict(row_experts=row_experts, layer=1, transpose_rhs=transpose_rhs, shared=shared_bf16)
+    want = grouped_matmul_concat(x, routed_bf16, **args, impl="reference")
+    got = grouped_matmul_concat(x, routed_bf16, **args, impl="pallas")
+    by_row = []
+    for m, e in enumerate(np.asarray(row_experts)):
+        w = [v[1] if e == SHARED_EXPERT else r[1, e] for r, v in zip(routed, shared)]
+        xm = np.asarray(x[m // 4], np.float32)
+        by_row.append(np.concatenate([xm @ np.asarray(wi.astype(jnp.bfloat16), np.float32) for wi in w]))
+    assert_rows_close(want, np.stack(by_row))
+    assert_rows_close(got, want)
+    kernel = grouped_gemm_concat_pallas(
+        x, tuple((layout(w[1]).astype(jnp.bfloat16),) for w in routed), row_experts,
+        weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=True, split_k=split_k,
+        shared=tuple((w,) for w in shared_bf16), shared_offset=1, **SMALL_TILES)
+    assert_rows_close(kernel, want)
+    with pytest.raises(ValueError, match="shared needs"):
+        grouped_matmul_concat(x, routed_bf16, group_sizes=jnp.asarray([4, 4, 0], jnp.int32), layer=1,
+                              shared=shared_bf16)
+    with pytest.raises(ValueError, match="shared needs"):
+        grouped_gemm_concat_pallas(x, tuple((w[1],) for w in routed_bf16), row_experts,
+                                   weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=True,
+                                   shared=((shared_bf16[1],), (shared_bf16[0],)), **SMALL_TILES)
 
 
 def test_exactly_one_row_map():
