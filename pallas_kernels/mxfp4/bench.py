@@ -2,7 +2,9 @@
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``;
 ``BENCH_SUITE=decode`` for the decode-sized cases only; ``BENCH_SUITE=pairs`` for the K3 decode cases and one
-8K-token prefill case in the checkpoint byte order against the pair-halves order, no bf16).
+8K-token prefill case in the checkpoint byte order against the pair-halves order, no bf16; ``BENCH_SUITE=mgpu``
+for the K3 decode cases through the Mosaic-GPU kernel (``decode_mgpu.py``, ``MGPU_CFGS``) against the Triton
+kernel's default tiling in both byte orders).
 Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
@@ -24,6 +26,7 @@ import numpy as np
 
 from kimi_jax.quant.mxfp4 import to_pair_halves
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us, timed
+from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights
 from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas
 from pallas_kernels.mxfp4.ops import tile_config
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
@@ -32,6 +35,8 @@ TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
 REPS = 8
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
 SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": decode-sized cases only; "pairs": K3 decode, MXFP4 only
+MGPU_CFGS = {f"k{bk}s{st}": dict(block_k=bk, stages=st) for bk, st in ((256, 4), (256, 6), (512, 3), (512, 4))}
+"""Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages."""
 START = time.time()
 
 ALL_CFGS = {
@@ -127,6 +132,12 @@ def check_correctness(rng):
             results[f"bf16/{name}"] = rel(fn(x[77:], w16, gs.at[:2].set(0)), want16)
         except Exception as err:  # noqa: BLE001 - report and go on
             results[f"bf16/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
+    prepared = prepare_weights(packed, scales)
+    for name, cfg in MGPU_CFGS.items():
+        try:
+            results[f"mxfp4_mgpu/{name}"] = rel(mxfp4_grouped_matmul_mgpu(x, *prepared, gs, **cfg), want)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            results[f"mxfp4_mgpu/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
     return results
 
 
@@ -170,10 +181,22 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     packed, scales = random_mxfp4(rng, experts, n, k)
     case = dict(tokens=tokens, experts=experts, rows=m, experts_touched=touched, n=n, k=k,
                 weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={},
-                mxfp4_pairs={}, mxfp4_pairs_jnp={}, bf16={})
+                mxfp4_pairs={}, mxfp4_pairs_jnp={}, bf16={}, mxfp4_mgpu={})
     cfgs = with_default(SWEEPS[(regime, "mxfp4")], tile_config(m, experts, n, k, "mxfp4"))
     pairs = to_pair_halves(packed)
+    if SUITE == "mgpu":  # the Triton kernel's default tiling (checkpoint order) and best pair-halves tiling only
+        cfgs = {"default": tile_config(m, experts, n, k, "mxfp4"), "m16n64k256w4s4": ALL_CFGS["m16n64k256w4s4"]}
+        prepared = prepare_weights(packed, scales)
+        for name, cfg in MGPU_CFGS.items():
+            try:
+                case["mxfp4_mgpu"][name] = timed(lambda x, p, s, g, cfg=cfg: mxfp4_grouped_matmul_mgpu(
+                    x, p, s, g, **cfg), (xs, *prepared, gs))
+            except Exception as err:  # noqa: BLE001
+                case["mxfp4_mgpu"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
+        del prepared
     for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", pairs), ("mxfp4_pairs_jnp", pairs)):
+        if SUITE == "mgpu" and fmt == "mxfp4_pairs_jnp":
+            continue
         for name, cfg in cfgs.items():
             if past_deadline(name):
                 continue
@@ -183,7 +206,7 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
             except Exception as err:  # noqa: BLE001
                 case[fmt][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
     del packed, scales, weights, pairs
-    if SUITE == "pairs":
+    if SUITE in ("pairs", "mgpu"):
         record.append(case)
         return case
     w16 = random_bf16(rng, (experts, k, n))
@@ -270,7 +293,7 @@ def main():
             json.dump(result, f, indent=1)
 
     save()
-    decode_only = SUITE in ("decode", "pairs")
+    decode_only = SUITE in ("decode", "pairs", "mgpu")
     if not decode_only:
         try:
             result["dense_m64_k7168_n2048_s"] = dense_case(rng)
@@ -287,7 +310,7 @@ def main():
         bench_case(rng, tokens, experts, 2 * WIDTH, LATENT, regime, cases)
         save()
         print(f"done T={tokens} E={experts} at {time.time() - START:.0f}s", flush=True)
-    if SUITE != "pairs":
+    if SUITE not in ("pairs", "mgpu"):
         for tokens in (64,) if decode_only else (64, 8192):  # down projection: N = 3584, K = 3072
             bench_case(rng, tokens, 56, LATENT, WIDTH, "down", cases)
             save()
@@ -300,13 +323,16 @@ def main():
         save()
     bw, rate = result["copy_bandwidth_Bps"], result["bf16_matmul_flops"]
     print(f"\n{'T':>5} {'E':>4} {'M':>5} {'N':>5} {'K':>5} | {'mxfp4 us':>9} {'%copyBW':>7} {'%bf16mm':>7} "
-          f"{'cfg':>18} | {'pairs us':>8} {'%copyBW':>7} {'cfg':>18} | {'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
+          f"{'cfg':>18} | {'pairs us':>8} {'%copyBW':>7} {'cfg':>18} | {'mgpu us':>8} {'%copyBW':>7} {'cfg':>7} | "
+          f"{'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
     for c in cases:
-        (mn, mt), (pn, pt), (bn_, bt) = best(c["mxfp4"]), best(c["mxfp4_pairs"]), best(c["bf16"])
+        (mn, mt), (pn, pt), (gn, gt), (bn_, bt) = (best(c["mxfp4"]), best(c["mxfp4_pairs"]), best(c["mxfp4_mgpu"]),
+                                                   best(c["bf16"]))
         print(f"{c['tokens']:>5} {c['experts']:>4} {c['rows']:>5} {c['n']:>5} {c['k']:>5} | {mt * 1e6:>9.1f} "
               f"{100 * c['weight_bytes_mxfp4'] / mt / bw:>6.0f}% {100 * c['flops'] / mt / rate:>6.0f}% {mn:>18} | "
               f"{pt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / pt / bw:>6.0f}% {pn:>18} | "
-              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / min(mt, pt):>6.2f}x")
+              f"{gt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / gt / bw:>6.0f}% {gn:>7} | "
+              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / np.nanmin([mt, pt, gt]):>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""The Mosaic-GPU MXFP4 grouped decode GEMM against the float32 reference on the checkpoint bytes: in Mosaic-GPU's
+interpreter on a CPU, for real on a GPU.
+
+Tolerance (``assert_rows_close`` of the Triton kernel's tests): per-row max error <= 1e-2 of the row's largest
+reference magnitude. The kernel decodes the weights exactly to bf16 (scaled by a power of two), accumulates
+bf16 products in fp32 and rounds the output once to bf16 (2**-8 relative); a wrong nibble, scale, row or
+expert is an O(1) error."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights
+from pallas_kernels.mxfp4.reference import mxfp4_grouped_matmul_reference
+from tests.kernels.test_mxfp4_kernels import assert_rows_close, extreme_scales, random_problem
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("group_sizes,num_rows,n,k,block_k,extreme", [
+    ([5, 0, 30], 37, 64, 256, 256, False),  # empty expert, a 30-row expert in two tiles, 2 rows past the groups
+    ([0, 37, 0], 37, 128, 512, 256, True),   # one expert takes every row; two column tiles, two K steps; extremes
+    ([1, 2, 0], 3, 64, 384, 128, False),     # decode: a few rows, K not a power of two, three K steps
+])
+def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, extreme):
+    x, packed, scales, gs = random_problem(71, group_sizes, num_rows, n=n, k=k)
+    if extreme:
+        x, scales = extreme_scales(x, scales)
+    want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+    got = mxfp4_grouped_matmul_mgpu(x, *prepare_weights(packed, scales), gs, block_k=block_k, stages=2)
+    assert got.shape == (num_rows, n) and got.dtype == jnp.bfloat16
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    assert not got[sum(group_sizes):].any()  # rows past sum(group_sizes) are zero
+    assert_rows_close(got, want)
+
+
+def test_prepared_layout_and_bad_arguments():
+    """prepare_weights: byte group g of row n holds columns 64g + j (low nibble) and 64g + 32 + j (high nibble);
+    wrong layouts and block sizes are clear errors."""
+    x, packed, scales, gs = random_problem(72, [2, 1], 3, n=64, k=128)
+    pairs, moved = prepare_weights(packed, scales)
+    assert pairs.shape == (2, 2, 64, 32) and moved.shape == (2, 4, 64)
+    codes = np.stack([np.asarray(packed) & 15, np.asarray(packed) >> 4], -1).reshape(2, 64, 128)  # [E, N, K]
+    for g in range(2):
+        np.testing.assert_array_equal(np.asarray(pairs[:, g]) & 15, codes[..., 64 * g:64 * g + 32])
+        np.testing.assert_array_equal(np.asarray(pairs[:, g]) >> 4, codes[..., 64 * g + 32:64 * g + 64])
+    np.testing.assert_array_equal(np.asarray(moved), np.swapaxes(np.asarray(scales), 1, 2))
+    with pytest.raises(ValueError, match="prepare_weights"):
+        mxfp4_grouped_matmul_mgpu(x, packed, scales, gs)
+    with pytest.raises(ValueError, match="block_k"):
+        mxfp4_grouped_matmul_mgpu(x, pairs, moved, gs, block_k=96)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        prepare_weights(packed[:, :48], scales[:, :48])
+
+
+@pytest.mark.parametrize("rows,block_k,stages", [(64, 256, 4), (16, 512, 3)])
+def test_kernel_lowers_for_cuda(rows, block_k, stages):
+    """``jax.export`` for CUDA runs Mosaic-GPU's lowering on the CPU (layout inference of the byte tile's upcast
+    into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up at decode, 56 experts."""
+    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, stages=stages, interpret=False)
+    args = [S((rows, 3584), jnp.bfloat16), S((56, 56, 6144, 32), jnp.uint8), S((56, 112, 6144), jnp.uint8),
+            S((56,), jnp.int32)]
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in module
