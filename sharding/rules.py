@@ -64,6 +64,12 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"moe\.w2", P(None, "expert", TP, None)),
     (r"moe\.(w1|w3)_(packed|pairs|scale)", P(None, "expert", TP, None)),
     (r"moe\.w2_(packed|pairs|scale)", P(None, "expert", None, TP)),
+    # the Mosaic-GPU decode layout: w1/w3 [L, E, Din/64, F, 32] + scales [L, E, Din/32, F];
+    # w2 [L, E, F/64, Din, 32] + scales [L, E, F/32, Din]
+    (r"moe\.(w1|w3)_mgpu", P(None, "expert", None, TP, None)),
+    (r"moe\.(w1|w3)_mgpu_scale", P(None, "expert", None, TP)),
+    (r"moe\.w2_mgpu", P(None, "expert", TP, None, None)),
+    (r"moe\.w2_mgpu_scale", P(None, "expert", TP, None)),
     # norms and Attention Residuals
     (r"(norm|input_norm|post_attn_norm)", _REPLICATED),
     (r"attn_res\.\w+", _REPLICATED),

@@ -81,6 +81,28 @@ def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs,
         ffn.use_pair_halves(stack)
 
 
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monkeypatch):
+    """use_mgpu_layout re-lays the experts for the Mosaic-GPU decode kernel (w1_packed / w1_scale -> w1_mgpu /
+    w1_mgpu_scale); the reference path then gives exactly what the checkpoint bytes gave, and the Pallas path
+    (rows sorted by expert even for one token, the kernel in Mosaic-GPU's interpreter) the same within bf16."""
+    monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", 32)
+    cfg = ModelConfig(**{**BASE, "moe_intermediate_size": 64}, experts_mxfp4=True)  # K = N = 64 everywhere
+    stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)
+    want = np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32)
+    ffn.use_mgpu_layout(stack)
+    assert not hasattr(stack, "w1_packed") and not hasattr(stack, "w1_scale")
+    assert stack.w2_mgpu[...].shape == (1, 16, 1, 64, 32) and stack.w2_mgpu_scale[...].shape == (1, 16, 2, 64)
+    assert not ffn._row_path(stack, tokens, cfg.num_experts_per_token, "pallas")
+    np.testing.assert_array_equal(np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32), want)
+    got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    with pytest.raises(ValueError, match="w1_packed"):
+        ffn.use_mgpu_layout(stack)
+
+
 def test_big_random_parameters_are_drawn_one_matrix_at_a_time(monkeypatch):
     """Stacks above CHUNK_ELEMENTS are drawn per trailing matrix (bounded temporaries: drawing a K3 expert stack
     at once needed 237 GB). Compiled for the CPU backend only, never run (the GPU compiler's temporaries differ:

@@ -23,7 +23,7 @@ from kimi_jax import PRESETS, get_preset
 from kimi_jax.model import KimiModel
 from kimi_jax.weights.loader import param_leaves
 from sharding import MeshShape, fit_spec, make_mesh, param_spec, param_specs, plan_memory
-from sharding.rules import shard_factor
+from sharding.rules import TP, shard_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSTACKED = {"embed", "lm_head", "norm", "attn_res.out_query", "attn_res.out_norm"}
@@ -40,6 +40,26 @@ def test_rules_cover_every_parameter_and_never_split_the_layer_axis(name):
         assert len(spec) <= var.ndim, (path, spec, var.shape)
         if path not in UNSTACKED:
             assert len(spec) == 0 or spec[0] is None, f"{path}: layer axis split by {spec}"
+
+
+@pytest.mark.parametrize("convert", ["use_pair_halves", "use_mgpu_layout"])
+def test_rules_cover_the_kernel_layouts_of_mxfp4_experts(convert):
+    """After the load-time re-layouts of K3's MXFP4 experts every parameter still has a rule of its rank, and
+    tensor parallelism splits the output width F of w1 / w3 and the input width F of w2."""
+    from kimi_jax.layers import ffn
+
+    def build():
+        model = KimiModel(get_preset("k3-slice"), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        getattr(ffn, convert)(model.moe)
+        return model
+
+    leaves = param_leaves(nnx.eval_shape(build))
+    suffix = "pairs" if convert == "use_pair_halves" else "mgpu"
+    assert f"moe.w1_{suffix}" in leaves and "moe.w1_packed" not in leaves
+    for path, var in leaves.items():
+        assert len(param_spec(path)) <= var.ndim, (path, param_spec(path), var.shape)
+    if suffix == "mgpu":
+        assert param_spec("moe.w1_mgpu")[3] == TP and param_spec("moe.w2_mgpu")[2] == TP
 
 
 def test_unknown_parameter_path_raises():

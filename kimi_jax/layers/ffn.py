@@ -5,7 +5,8 @@ top-k); the weights are the unbiased scores of the chosen experts, renormalised 
 runs the routed experts in a latent width: ``down -> experts -> weighted sum -> RMSNorm -> up``; shared experts
 read the full-width input. Routed experts are bf16 ``[E, in, out]`` or MXFP4 packed ``[E, out, in/2]`` +
 E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use; :func:`use_pair_halves` re-orders the
-packed bytes for the kernel's pair-halves format, as ``{w}_pairs`` parameters).
+packed bytes for the kernel's pair-halves format, as ``{w}_pairs`` parameters, and :func:`use_mgpu_layout` for
+the Mosaic-GPU decode kernel, as ``{w}_mgpu`` / ``{w}_mgpu_scale``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal
                                     stacked_linear, stacked_linear_unsummed, stacked_linears)
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
+from pallas_kernels.mxfp4.decode_mgpu import prepare_weights as prepare_mxfp4_mgpu
+from pallas_kernels.mxfp4.decode_mgpu import restore_weights as restore_mxfp4_mgpu
 from pallas_kernels import router as router_ops
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.rmsnorm import PartialSum, total
@@ -117,12 +120,32 @@ def use_pair_halves(p: MoEStack) -> None:
         delattr(p, f"{name}_packed")
 
 
-def _packed_experts(p: MoEStack, name: str) -> tuple[jax.Array, str] | None:
-    """(packed bytes, byte order) of routed expert weight ``name``, or None for bf16 experts."""
-    for suffix, order in (("packed", "checkpoint"), ("pairs", "pairs")):
+def use_mgpu_layout(p: MoEStack) -> None:
+    """Re-lay an MXFP4 stack's experts for the Mosaic-GPU decode kernel, in place: ``w1_packed`` / ``w1_scale``
+    become ``w1_mgpu [L, E, K/64, N, 32]`` / ``w1_mgpu_scale [L, E, K/32, N]``
+    (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`), and so on. The Pallas MoE then sorts rows by
+    expert at every batch size (that kernel has no per-row mode)."""
+    for name in ("w1", "w3", "w2"):
+        packed = getattr(p, f"{name}_packed", None)
+        if packed is None:
+            raise ValueError(f"use_mgpu_layout needs MXFP4 experts in the checkpoint order; no {name}_packed")
+        w, scale = prepare_mxfp4_mgpu(packed[...], getattr(p, f"{name}_scale")[...])
+        setattr(p, f"{name}_mgpu", nnx.Param(w))
+        setattr(p, f"{name}_mgpu_scale", nnx.Param(scale))
+        delattr(p, f"{name}_packed")
+        delattr(p, f"{name}_scale")
+
+
+_BYTE_ORDERS = (("packed", "checkpoint", "scale"), ("pairs", "pairs", "scale"), ("mgpu", "mgpu", "mgpu_scale"))
+"""Parameter suffix of packed expert bytes, their byte order, and the suffix of their scales."""
+
+
+def _packed_experts(p: MoEStack, name: str) -> tuple[jax.Array, str, jax.Array] | None:
+    """(packed bytes, byte order, scales) of routed expert weight ``name``, or None for bf16 experts."""
+    for suffix, order, scale_suffix in _BYTE_ORDERS:
         packed = getattr(p, f"{name}_{suffix}", None)
         if packed is not None:
-            return packed, order
+            return packed, order, getattr(p, f"{name}_{scale_suffix}")
     return None
 
 
@@ -142,10 +165,9 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     if resolve_impl(impl) == "pallas":
         rows = dict(group_sizes=sizes, row_experts=row_experts, layer=j, impl="pallas")
         if mxfp4_packed:
-            both = gemm_ops.mxfp4_grouped_matmul_concat(
-                xs, [(w[...], getattr(p, f"{n}_scale")) for (w, _), n in zip(packed, names)],
-                byte_order=packed[0][1], **rows)
-            widths = [w.shape[-2] for w, _ in packed]
+            both = gemm_ops.mxfp4_grouped_matmul_concat(xs, [(w[...], scale[...]) for w, _, scale in packed],
+                                                        byte_order=packed[0][1], **rows)
+            widths = [scale.shape[-1 if order == "mgpu" else -2] for _, order, scale in packed]
         else:
             both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows,
                                                   shared=[getattr(p, n)[...] for n in shared])
@@ -154,18 +176,25 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     out = []
     for n, stored in zip(names, packed):
         if mxfp4_packed:
-            w, order = stored
-            w = w[j] if order == "checkpoint" else mxfp4.from_pair_halves(w[j])
-            w = jnp.swapaxes(mxfp4.dequantize(w, getattr(p, f"{n}_scale")[j], dtype=xs.dtype), -1, -2)
+            w, order, scale = stored
+            w, scale = w[j], scale[j]
+            if order == "mgpu":
+                w, scale = restore_mxfp4_mgpu(w, scale)
+            elif order == "pairs":
+                w = mxfp4.from_pair_halves(w)
+            w = jnp.swapaxes(mxfp4.dequantize(w, scale, dtype=xs.dtype), -1, -2)
         else:
             w = getattr(p, n)[j]
         out.append(jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=F32))
     return out
 
 
-def _row_path(t_rows: int, k: int, impl: str | None) -> bool:
-    """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS)."""
-    return t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
+def _row_path(p: MoEStack, t_rows: int, k: int, impl: str | None) -> bool:
+    """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS; not
+    for experts in the Mosaic-GPU layout, whose kernel takes sorted rows only)."""
+    packed = _packed_experts(p, "w1")
+    return (t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
+            and (packed is None or packed[1] != "mgpu"))
 
 
 def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str | None) -> bool:
@@ -173,7 +202,7 @@ def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str 
     reading the same input (no latent projection)."""
     return (FUSE_SHARED_EXPERT and cfg.num_shared_experts > 0 and cfg.latent_dim is None
             and _packed_experts(p, "w1") is None and p.shared_gate.shape[-1] == p.w1.shape[-1]
-            and _row_path(x.shape[0], cfg.num_experts_per_token, impl))
+            and _row_path(p, x.shape[0], cfg.num_experts_per_token, impl))
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -191,7 +220,7 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
     dtype = z.dtype
-    if with_shared or _row_path(t_rows, k, impl):
+    if with_shared or _row_path(p, t_rows, k, impl):
         order, xs, rows = None, z, dict(row_experts=flat)  # the kernel reads token t's row for its k pairs
     else:
         order = jnp.argsort(flat, stable=True)

@@ -135,7 +135,7 @@ def check_correctness(rng):
     prepared = prepare_weights(packed, scales)
     for name, cfg in MGPU_CFGS.items():
         try:
-            results[f"mxfp4_mgpu/{name}"] = rel(mxfp4_grouped_matmul_mgpu(x, *prepared, gs, **cfg), want)
+            results[f"mxfp4_mgpu/{name}"] = rel(mxfp4_grouped_matmul_mgpu(x, [prepared], gs, **cfg), want)
         except Exception as err:  # noqa: BLE001 - report and go on
             results[f"mxfp4_mgpu/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
     return results
@@ -190,7 +190,7 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
         for name, cfg in MGPU_CFGS.items():
             try:
                 case["mxfp4_mgpu"][name] = timed(lambda x, p, s, g, cfg=cfg: mxfp4_grouped_matmul_mgpu(
-                    x, p, s, g, **cfg), (xs, *prepared, gs))
+                    x, [(p, s)], g, **cfg), (xs, *prepared, gs))
             except Exception as err:  # noqa: BLE001
                 case["mxfp4_mgpu"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         del prepared

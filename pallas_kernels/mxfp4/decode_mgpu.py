@@ -28,6 +28,7 @@ tile goes through a shared-memory scratch first. Not the default path until meas
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kimi_jax.quant.mxfp4 import to_pair_halves
+from kimi_jax.quant.mxfp4 import from_pair_halves, to_pair_halves
 from pallas_kernels.impl import on_gpu
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
@@ -46,13 +47,20 @@ GROUP = 2 * MX_BLOCK  # K columns per pair-halves byte group (32 bytes per row)
 
 
 def prepare_weights(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Checkpoint-order ``packed [E, N, K/2]``, ``scales [E, N, K/32]`` -> this kernel's ``[E, K/64, N, 32]``
-    pair-halves bytes and ``[E, K/32, N]`` scales."""
-    num_experts, n, half_k = packed.shape
+    """Checkpoint-order ``packed [..., N, K/2]``, ``scales [..., N, K/32]`` -> this kernel's ``[..., K/64, N, 32]``
+    pair-halves bytes and ``[..., K/32, N]`` scales (leading axes: experts, or layers and experts)."""
+    *lead, n, half_k = packed.shape
     if (2 * half_k) % GROUP or n % ROWS_N:
         raise ValueError(f"K={2 * half_k} must be a multiple of {GROUP} and N={n} of {ROWS_N}")
-    pairs = to_pair_halves(packed).reshape(num_experts, n, half_k // MX_BLOCK, MX_BLOCK)
-    return jnp.transpose(pairs, (0, 2, 1, 3)), jnp.transpose(scales, (0, 2, 1))
+    pairs = to_pair_halves(packed).reshape(*lead, n, half_k // MX_BLOCK, MX_BLOCK)
+    return jnp.moveaxis(pairs, -2, -3), jnp.swapaxes(scales, -1, -2)
+
+
+def restore_weights(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`prepare_weights`: the checkpoint-order bytes and scales."""
+    *lead, groups, n, _ = packed.shape
+    pairs = jnp.moveaxis(packed, -3, -2).reshape(*lead, n, groups * MX_BLOCK)
+    return from_pair_halves(pairs), jnp.swapaxes(scales, -1, -2)
 
 
 def _e2m1_bits(codes: jax.Array) -> jax.Array:
@@ -68,10 +76,11 @@ def _e8m0_bf16(scales: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.where(s == 0, jnp.uint16(0x40), s << 7), jnp.bfloat16)
 
 
-def _kernel(sched_gmem, packed_gmem, scales_gmem, x_gmem, o_gmem, *dec_smem, num_experts, block_k, stages):
+def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, stages, interpret):
+    *w_refs, o_gmem = refs[:-1] if interpret else refs
+    dec_smem = refs[-1] if interpret else None
     tile, n_tile = lax.axis_index("tile"), lax.axis_index("n")
-    group = sched_gmem[0, tile]
-    expert = jnp.clip(group, 0, num_experts - 1)
+    row = sched_gmem[tile]  # weight row (expert + offset) of this row tile; -1: no rows of a real expert
 
     def step(acc_ref, _, packed_smem, scales_smem, x_smem):
         for g in range(block_k // GROUP):  # static
@@ -80,30 +89,38 @@ def _kernel(sched_gmem, packed_gmem, scales_gmem, x_gmem, o_gmem, *dec_smem, num
                 block = 2 * g + half
                 w = _e2m1_bits((codes & 0xF) if half == 0 else (codes >> 4))
                 w = w * lax.broadcast_in_dim(_e8m0_bf16(scales_smem[block]), w.shape, [0])
-                if dec_smem:  # the interpreter's wgmma reads A from shared memory only
-                    dec_smem[0][...] = w
+                if interpret:  # the interpreter's wgmma reads A from shared memory only
+                    dec_smem[...] = w
                     plgpu.commit_smem()
-                    w = dec_smem[0]
+                    w = dec_smem
                 plgpu.wgmma(acc_ref, w, x_smem.at[block].T)
         plgpu.wgmma_wait(0)
 
-    def run(acc_ref):
+    def product(packed_gmem, scales_gmem, local_tile, acc_ref):
+        expert = jnp.clip(row, 0, num_weight_rows - 1)
         plgpu.emit_pipeline(
             functools.partial(step, acc_ref), grid=(x_gmem.shape[1] * MX_BLOCK // block_k,),
             max_concurrent_steps=stages,
             in_specs=[
-                plgpu.BlockSpec((None, block_k // GROUP, ROWS_N, MX_BLOCK), lambda k: (expert, k, n_tile, 0),
+                plgpu.BlockSpec((None, block_k // GROUP, ROWS_N, MX_BLOCK), lambda k: (expert, k, local_tile, 0),
                                 transforms=_transforms(MX_BLOCK, 8)),
-                plgpu.BlockSpec((None, block_k // MX_BLOCK, ROWS_N), lambda k: (expert, k, n_tile)),
+                plgpu.BlockSpec((None, block_k // MX_BLOCK, ROWS_N), lambda k: (expert, k, local_tile)),
                 plgpu.BlockSpec((None, block_k // MX_BLOCK, BLOCK_M, MX_BLOCK), lambda k: (tile, k, 0, 0),
                                 transforms=_transforms(MX_BLOCK, 16)),
             ])(packed_gmem, scales_gmem, x_gmem)
         return acc_ref[...]
 
-    @pl.when((group >= 0) & (group < num_experts))
-    def _():
-        acc = pl.run_scoped(run, plgpu.ACC((ROWS_N, BLOCK_M), jnp.float32))
-        o_gmem.at[tile, pl.ds(n_tile * ROWS_N, ROWS_N)][...] = acc.astype(o_gmem.dtype)
+    first = 0
+    for part, tiles in enumerate(part_tiles):  # static: one pipeline per weight matrix
+        packed_gmem, scales_gmem = w_refs[2 * part:2 * part + 2]
+
+        @pl.when((row >= 0) & (n_tile >= first) & (n_tile < first + tiles))
+        def _(packed_gmem=packed_gmem, scales_gmem=scales_gmem, first=first):
+            acc = pl.run_scoped(functools.partial(product, packed_gmem, scales_gmem, n_tile - first),
+                                plgpu.ACC((ROWS_N, BLOCK_M), jnp.float32))
+            o_gmem.at[tile, pl.ds(n_tile * ROWS_N, ROWS_N)][...] = acc.astype(o_gmem.dtype)
+
+        first += tiles
 
 
 def _transforms(minor: int, bits: int):
@@ -113,27 +130,40 @@ def _transforms(minor: int, bits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "stages", "interpret"))
-def mxfp4_grouped_matmul_mgpu(x: jax.Array, packed: jax.Array, scales: jax.Array, group_sizes: jax.Array, *,
-                              block_k: int = 256, stages: int = 4, interpret: bool | None = None) -> jax.Array:
-    """``x [M, K]`` bf16 rows sorted by expert, ``packed [E, K/64, N, 32]`` / ``scales [E, K/32, N]`` from
-    :func:`prepare_weights`, ``group_sizes [E]`` -> ``[M, N]`` in ``x.dtype`` (fp32 accumulation; rows at or
-    past ``sum(group_sizes)`` are zero), as :func:`pallas_kernels.mxfp4.mxfp4_grouped_matmul` on the checkpoint
-    bytes. ``block_k``: K columns per pipeline step (a multiple of 64 dividing K); ``stages``: shared-memory
-    stages in flight. ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]], group_sizes: jax.Array,
+                              expert_offset: jax.Array | int = 0, *, block_k: int | None = None, stages: int = 4,
+                              interpret: bool | None = None) -> jax.Array:
+    """``x [M, K]`` bf16 rows sorted by expert times each of ``matrices``, ``(packed [E', K/64, N_i, 32], scales
+    [E', K/32, N_i])`` from :func:`prepare_weights`, side by side -> ``[M, sum N_i]`` in ``x.dtype`` (fp32
+    accumulation; rows at or past ``sum(group_sizes)`` are zero), as
+    :func:`pallas_kernels.mxfp4.mxfp4_grouped_matmul_concat` on the checkpoint bytes. Group ``e`` of
+    ``group_sizes [E]`` uses weight row ``expert_offset + e`` (traced; e.g. layer j of ``[L*E, ...]`` stacks).
+    ``block_k``: K columns per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
+    that divides K); ``stages``: shared-memory stages in flight. ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     num_rows, dim_k = x.shape
-    num_experts, groups, dim_n, group_bytes = packed.shape if packed.ndim == 4 else (0, 0, 0, 0)
-    if group_bytes != MX_BLOCK or groups * GROUP != dim_k or scales.shape != (num_experts, dim_k // MX_BLOCK, dim_n):
-        raise ValueError(f"packed [E, K/64, N, 32] and scales [E, K/32, N] from prepare_weights expected for K={dim_k}; "
-                         f"got {packed.shape} and {scales.shape}")
-    if block_k % GROUP or dim_k % block_k or group_sizes.shape != (num_experts,):
-        raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; group_sizes [E]")
+    num_experts = group_sizes.shape[0]
+    widths = []
+    for packed, scales in matrices:
+        weight_rows, groups, dim_n, group_bytes = packed.shape if packed.ndim == 4 else (0, 0, 0, 0)
+        if (group_bytes != MX_BLOCK or groups * GROUP != dim_k or weight_rows < num_experts
+                or scales.shape != (weight_rows, dim_k // MX_BLOCK, dim_n) or weight_rows != matrices[0][0].shape[0]):
+            raise ValueError(f"packed [E', K/64, N, 32] and scales [E', K/32, N] from prepare_weights expected for "
+                             f"K={dim_k}, E'>={num_experts}; got {packed.shape} and {scales.shape}")
+        widths.append(dim_n)
+    block_k = block_k or next((b for b in (256, 128, GROUP) if dim_k % b == 0), GROUP)
+    if block_k % GROUP or dim_k % block_k:
+        raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}")
     schedule = make_tile_schedule(group_sizes, num_rows, BLOCK_M)  # [3, T]: expert, first row, end row
+    real = (schedule[0] >= 0) & (schedule[0] < num_experts)
+    weight_row = jnp.where(real, schedule[0] + jnp.asarray(expert_offset, jnp.int32), -1)
     rows = schedule[1][:, None] + jnp.arange(BLOCK_M)[None, :]  # [T, BM]
     x_tiles = x.astype(jnp.bfloat16)[jnp.minimum(rows, num_rows - 1)]  # [T, BM, K]
     x_tiles = jnp.transpose(x_tiles.reshape(-1, BLOCK_M, dim_k // MX_BLOCK, MX_BLOCK), (0, 2, 1, 3))
     interpret = not on_gpu() if interpret is None else interpret
-    num_tiles = schedule.shape[1]
-    kernel = functools.partial(_kernel, num_experts=num_experts, block_k=block_k, stages=stages)
+    num_tiles, dim_n = schedule.shape[1], sum(widths)
+    kernel = functools.partial(_kernel, part_tiles=tuple(n // ROWS_N for n in widths),
+                               num_weight_rows=matrices[0][0].shape[0], block_k=block_k, stages=stages,
+                               interpret=interpret)
     dec_smem = [plgpu.SMEM((ROWS_N, MX_BLOCK), jnp.bfloat16, transforms=_transforms(MX_BLOCK, 16))] if interpret else []
     tiles_out = plgpu.kernel(
         kernel,
@@ -142,8 +172,8 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, packed: jax.Array, scales: jax.Array
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dec_smem,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(schedule, packed, scales, x_tiles)
-    valid = (rows < schedule[2][:, None]) & (schedule[0][:, None] >= 0) & (schedule[0][:, None] < num_experts)
+    )(weight_row, x_tiles, *(a for m in matrices for a in m))
+    valid = (rows < schedule[2][:, None]) & real[:, None]
     target = jnp.where(valid, rows, num_rows).reshape(-1)  # invalid rows go past the end and are dropped
     return jnp.zeros((num_rows, dim_n), x.dtype).at[target].set(
         jnp.transpose(tiles_out, (0, 2, 1)).reshape(-1, dim_n), mode="drop")

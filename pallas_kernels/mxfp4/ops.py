@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from kimi_jax.quant.mxfp4 import dequantize, from_pair_halves
 from pallas_kernels.impl import resolve_impl
+from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, restore_weights
 from pallas_kernels.mxfp4.kernel import SHARED_EXPERT, grouped_gemm_concat_pallas
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_matmul_reference, rows_matmul_reference
 
@@ -77,9 +78,11 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
     return mxfp4_grouped_matmul_concat(x, ((packed, scales),), group_sizes, layer=layer, impl=impl)
 
 
-BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs"}
+BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs", "mgpu": "mgpu"}
 """Byte order of packed MXFP4 weights -> the grouped kernel's ``weight_format``: the compressed-tensors order,
-or the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`."""
+the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`, or the Mosaic-GPU decode kernel's layout
+(:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`: ``packed [E, K/64, N, 32]``, ``scales [E, K/32,
+N]``; rows sorted by expert only)."""
 
 
 def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
@@ -94,10 +97,20 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     rows; for a few decode rows, see :func:`grouped_matmul_concat`).
 
     ``byte_order``: ``"checkpoint"``, or ``"pairs"`` for ``packed`` in the pair-halves order (K a multiple of
-    64; the kernel's ``"mxfp4_pairs"`` format)."""
+    64; the kernel's ``"mxfp4_pairs"`` format), or ``"mgpu"`` for the Mosaic-GPU decode kernel's layout (with
+    ``group_sizes``; see ``BYTE_ORDERS``)."""
     if byte_order not in BYTE_ORDERS:
         raise ValueError(f"byte_order must be one of {sorted(BYTE_ORDERS)}, got {byte_order!r}")
     groups, per_row = _groups(group_sizes, row_experts, x)
+    if byte_order == "mgpu":
+        if per_row:
+            raise ValueError("byte_order='mgpu' takes rows sorted by expert (group_sizes), not row_experts")
+        if resolve_impl(impl) == "reference":
+            matrices = [restore_weights(p, s) for p, s in matrices]
+            byte_order = "checkpoint"
+        else:
+            flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
+            return mxfp4_grouped_matmul_mgpu(x, tuple(zip(flat[0::2], flat[1::2])), groups, offset)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
         unpair = from_pair_halves if byte_order == "pairs" else (lambda a: a)

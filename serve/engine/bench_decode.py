@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fuse-shared-expert", action="store_true",
                         help="run the shared expert as one more row of the routed expert launches at decode "
                              "(kimi_jax.layers.ffn.FUSE_SHARED_EXPERT; bf16 experts without a latent projection)")
+    parser.add_argument("--mxfp4-mgpu", action="store_true",
+                        help="re-lay MXFP4 experts for the Mosaic-GPU decode kernel (kimi_jax.layers.ffn."
+                             "use_mgpu_layout) before building the runner")
     parser.add_argument("--mxfp4-pairs", action="store_true",
                         help="re-order MXFP4 expert bytes into the pair-halves order (kimi_jax.layers.ffn."
                              "use_pair_halves) before building the runner")
@@ -129,10 +132,16 @@ def main(argv: list[str] | None = None) -> None:
     cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
                        num_experts=args.experts or full.num_experts)
     model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    if args.mxfp4_pairs and args.mxfp4_mgpu:
+        parser.error("--mxfp4-pairs and --mxfp4-mgpu are two layouts of the same experts: pick one")
     if args.mxfp4_pairs:
         from kimi_jax.layers.ffn import use_pair_halves
 
         use_pair_halves(model.moe)
+    if args.mxfp4_mgpu:
+        from kimi_jax.layers.ffn import use_mgpu_layout
+
+        use_mgpu_layout(model.moe)
     max_batch = max(args.batches)
     decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2
     max_model_len = args.prompt_len + decode_tokens + 16

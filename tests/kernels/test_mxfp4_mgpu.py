@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights
+from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights, restore_weights
 from pallas_kernels.mxfp4.reference import mxfp4_grouped_matmul_reference
 from tests.kernels.test_mxfp4_kernels import assert_rows_close, extreme_scales, random_problem
 
@@ -30,7 +30,7 @@ def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, 
     if extreme:
         x, scales = extreme_scales(x, scales)
     want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
-    got = mxfp4_grouped_matmul_mgpu(x, *prepare_weights(packed, scales), gs, block_k=block_k, stages=2)
+    got = mxfp4_grouped_matmul_mgpu(x, [prepare_weights(packed, scales)], gs, block_k=block_k, stages=2)
     assert got.shape == (num_rows, n) and got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -38,9 +38,25 @@ def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, 
     assert_rows_close(got, want)
 
 
+def test_two_matrices_of_a_layer_stack_in_one_launch():
+    """Gate and up side by side from one launch, layer 1 of ``[L*E, ...]`` stacks by ``expert_offset`` (layer 0's
+    scales are E8M0 NaN, so reading it shows)."""
+    x, packed, scales, gs = random_problem(73, [3, 0, 9], 14, n=64, k=128)
+    _, packed2, scales2, _ = random_problem(74, [3, 0, 9], 14, n=128, k=128)
+    nan = lambda s: jnp.stack([jnp.full_like(s, 255), s]).reshape(-1, *s.shape[1:])  # noqa: E731
+    stack = lambda p: jnp.concatenate([p, p])  # noqa: E731
+    matrices = [prepare_weights(stack(packed), nan(scales)), prepare_weights(stack(packed2), nan(scales2))]
+    got = np.asarray(mxfp4_grouped_matmul_mgpu(x, matrices, gs, 3, block_k=128, stages=2), np.float32)
+    want = np.concatenate([np.asarray(mxfp4_grouped_matmul_reference(x, p, s, gs), np.float32)
+                           for p, s in ((packed, scales), (packed2, scales2))], axis=1)
+    assert got.shape == (14, 192) and np.isfinite(got).all()
+    assert_rows_close(got[:12], want[:12])
+    assert not got[12:].any()
+
+
 def test_prepared_layout_and_bad_arguments():
-    """prepare_weights: byte group g of row n holds columns 64g + j (low nibble) and 64g + 32 + j (high nibble);
-    wrong layouts and block sizes are clear errors."""
+    """prepare_weights: byte group g of row n holds columns 64g + j (low nibble) and 64g + 32 + j (high nibble),
+    restore_weights gives the checkpoint bytes back; wrong layouts and block sizes are clear errors."""
     x, packed, scales, gs = random_problem(72, [2, 1], 3, n=64, k=128)
     pairs, moved = prepare_weights(packed, scales)
     assert pairs.shape == (2, 2, 64, 32) and moved.shape == (2, 4, 64)
@@ -49,10 +65,14 @@ def test_prepared_layout_and_bad_arguments():
         np.testing.assert_array_equal(np.asarray(pairs[:, g]) & 15, codes[..., 64 * g:64 * g + 32])
         np.testing.assert_array_equal(np.asarray(pairs[:, g]) >> 4, codes[..., 64 * g + 32:64 * g + 64])
     np.testing.assert_array_equal(np.asarray(moved), np.swapaxes(np.asarray(scales), 1, 2))
+    for got, original in zip(restore_weights(pairs, moved), (packed, scales)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(original))
     with pytest.raises(ValueError, match="prepare_weights"):
-        mxfp4_grouped_matmul_mgpu(x, packed, scales, gs)
+        mxfp4_grouped_matmul_mgpu(x, [(packed, scales)], gs)
+    with pytest.raises(ValueError, match="prepare_weights"):
+        mxfp4_grouped_matmul_mgpu(x, [(pairs[:1], moved[:1])], gs)  # fewer weight rows than experts
     with pytest.raises(ValueError, match="block_k"):
-        mxfp4_grouped_matmul_mgpu(x, pairs, moved, gs, block_k=96)
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_k=96)
     with pytest.raises(ValueError, match="multiple of 64"):
         prepare_weights(packed[:, :48], scales[:, :48])
 
@@ -62,7 +82,7 @@ def test_kernel_lowers_for_cuda(rows, block_k, stages):
     """``jax.export`` for CUDA runs Mosaic-GPU's lowering on the CPU (layout inference of the byte tile's upcast
     into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up at decode, 56 experts."""
     fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, stages=stages, interpret=False)
-    args = [S((rows, 3584), jnp.bfloat16), S((56, 56, 6144, 32), jnp.uint8), S((56, 112, 6144), jnp.uint8),
-            S((56,), jnp.int32)]
-    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    gate_up = [(S((56, 56, 3072, 32), jnp.uint8), S((56, 112, 3072), jnp.uint8))] * 2
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(S((rows, 3584), jnp.bfloat16), gate_up,
+                                                                S((56,), jnp.int32)).mlir_module()
     assert "mosaic_gpu" in module
