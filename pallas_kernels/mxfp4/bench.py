@@ -35,8 +35,9 @@ TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
 REPS = 8
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
 SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": decode-sized cases only; "pairs": K3 decode, MXFP4 only
-MGPU_CFGS = {f"k{bk}s{st}": dict(block_k=bk, stages=st) for bk, st in ((256, 4), (256, 6), (512, 3), (512, 4))}
-"""Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages."""
+MGPU_CFGS = {f"k{bk}s{st}m{bm}": dict(block_k=bk, stages=st, block_m=bm)
+             for bk, st, bm in ((256, 4, 16), (256, 6, 16), (512, 3, 16), (512, 4, 16), (256, 4, 8), (512, 4, 8))}
+"""Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages, rows per tile."""
 START = time.time()
 
 ALL_CFGS = {

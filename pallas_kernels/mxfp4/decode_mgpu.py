@@ -9,7 +9,7 @@ from shared memory in the layout whose upcast to 16 bits is the ``wgmma`` A layo
 (column j of one MX block) and high nibble (column j of the next) land where the two K=32 products need them.
 
 Orientation (decode): ``acc [64, BM] = W_tile [64, K] @ x_tile^T`` for 64 output columns of one expert and a tile
-of ``BM`` (16) rows of that expert; the grid is (row tiles, N / 64) and each CTA streams its expert's K by TMA
+of ``BM`` (``block_m``: 16, or 8) rows of that expert; the grid is (row tiles, N / 64) and each CTA streams its expert's K by TMA
 through ``stages`` shared-memory stages (``plgpu.emit_pipeline``). Per 64 K columns: one ``[64, 32]`` byte tile,
 two E2M1 decodes (exact, as :func:`pallas_kernels.mxfp4.kernel._e2m1_to_bf16`), each multiplied by its block's
 E8M0 scale broadcast over the row (a power of two: bf16-exact unless it leaves bf16's normal range, the same
@@ -41,7 +41,6 @@ from pallas_kernels.impl import on_gpu
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
 ROWS_N = 64  # output columns per CTA: one warpgroup's wgmma M
-BLOCK_M = 16  # activation rows per tile: the wgmma N
 MX_BLOCK = 32
 GROUP = 2 * MX_BLOCK  # K columns per pair-halves byte group (32 bytes per row)
 
@@ -105,7 +104,7 @@ def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, sta
                 plgpu.BlockSpec((None, block_k // GROUP, ROWS_N, MX_BLOCK), lambda k: (expert, k, local_tile, 0),
                                 transforms=_transforms(MX_BLOCK, 8)),
                 plgpu.BlockSpec((None, block_k // MX_BLOCK, ROWS_N), lambda k: (expert, k, local_tile)),
-                plgpu.BlockSpec((None, block_k // MX_BLOCK, BLOCK_M, MX_BLOCK), lambda k: (tile, k, 0, 0),
+                plgpu.BlockSpec((None, block_k // MX_BLOCK, x_gmem.shape[2], MX_BLOCK), lambda k: (tile, k, 0, 0),
                                 transforms=_transforms(MX_BLOCK, 16)),
             ])(packed_gmem, scales_gmem, x_gmem)
         return acc_ref[...]
@@ -117,7 +116,7 @@ def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, sta
         @pl.when((row >= 0) & (n_tile >= first) & (n_tile < first + tiles))
         def _(packed_gmem=packed_gmem, scales_gmem=scales_gmem, first=first):
             acc = pl.run_scoped(functools.partial(product, packed_gmem, scales_gmem, n_tile - first),
-                                plgpu.ACC((ROWS_N, BLOCK_M), jnp.float32))
+                                plgpu.ACC((ROWS_N, x_gmem.shape[2]), jnp.float32))
             o_gmem.at[tile, pl.ds(n_tile * ROWS_N, ROWS_N)][...] = acc.astype(o_gmem.dtype)
 
         first += tiles
@@ -129,17 +128,18 @@ def _transforms(minor: int, bits: int):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "block_m", "stages", "interpret"))
 def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]], group_sizes: jax.Array,
-                              expert_offset: jax.Array | int = 0, *, block_k: int | None = None, stages: int = 4,
-                              interpret: bool | None = None) -> jax.Array:
+                              expert_offset: jax.Array | int = 0, *, block_k: int | None = None, block_m: int = 16,
+                              stages: int = 4, interpret: bool | None = None) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert times each of ``matrices``, ``(packed [E', K/64, N_i, 32], scales
     [E', K/32, N_i])`` from :func:`prepare_weights`, side by side -> ``[M, sum N_i]`` in ``x.dtype`` (fp32
     accumulation; rows at or past ``sum(group_sizes)`` are zero), as
     :func:`pallas_kernels.mxfp4.mxfp4_grouped_matmul_concat` on the checkpoint bytes. Group ``e`` of
     ``group_sizes [E]`` uses weight row ``expert_offset + e`` (traced; e.g. layer j of ``[L*E, ...]`` stacks).
     ``block_k``: K columns per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
-    that divides K); ``stages``: shared-memory stages in flight. ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+    that divides K); ``block_m``: rows per tile, the wgmma's N (8 or 16: at decode most experts get one or two
+    rows); ``stages``: shared-memory stages in flight. ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     num_rows, dim_k = x.shape
     num_experts = group_sizes.shape[0]
     widths = []
@@ -151,14 +151,15 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
                              f"K={dim_k}, E'>={num_experts}; got {packed.shape} and {scales.shape}")
         widths.append(dim_n)
     block_k = block_k or next((b for b in (256, 128, GROUP) if dim_k % b == 0), GROUP)
-    if block_k % GROUP or dim_k % block_k:
-        raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}")
-    schedule = make_tile_schedule(group_sizes, num_rows, BLOCK_M)  # [3, T]: expert, first row, end row
+    if block_k % GROUP or dim_k % block_k or block_m not in (8, 16):
+        raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; block_m={block_m} 8 "
+                         "or 16")
+    schedule = make_tile_schedule(group_sizes, num_rows, block_m)  # [3, T]: expert, first row, end row
     real = (schedule[0] >= 0) & (schedule[0] < num_experts)
     weight_row = jnp.where(real, schedule[0] + jnp.asarray(expert_offset, jnp.int32), -1)
-    rows = schedule[1][:, None] + jnp.arange(BLOCK_M)[None, :]  # [T, BM]
+    rows = schedule[1][:, None] + jnp.arange(block_m)[None, :]  # [T, BM]
     x_tiles = x.astype(jnp.bfloat16)[jnp.minimum(rows, num_rows - 1)]  # [T, BM, K]
-    x_tiles = jnp.transpose(x_tiles.reshape(-1, BLOCK_M, dim_k // MX_BLOCK, MX_BLOCK), (0, 2, 1, 3))
+    x_tiles = jnp.transpose(x_tiles.reshape(-1, block_m, dim_k // MX_BLOCK, MX_BLOCK), (0, 2, 1, 3))
     interpret = not on_gpu() if interpret is None else interpret
     num_tiles, dim_n = schedule.shape[1], sum(widths)
     kernel = functools.partial(_kernel, part_tiles=tuple(n // ROWS_N for n in widths),
@@ -167,7 +168,7 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     dec_smem = [plgpu.SMEM((ROWS_N, MX_BLOCK), jnp.bfloat16, transforms=_transforms(MX_BLOCK, 16))] if interpret else []
     tiles_out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_tiles, dim_n, BLOCK_M), x.dtype),
+        out_type=jax.ShapeDtypeStruct((num_tiles, dim_n, block_m), x.dtype),
         grid=(num_tiles, dim_n // ROWS_N), grid_names=("tile", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dec_smem,

@@ -20,17 +20,19 @@ from tests.kernels.test_mxfp4_kernels import assert_rows_close, extreme_scales, 
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("group_sizes,num_rows,n,k,block_k,extreme", [
-    ([5, 0, 30], 37, 64, 256, 256, False),  # empty expert, a 30-row expert in two tiles, 2 rows past the groups
-    ([0, 37, 0], 37, 128, 512, 256, True),   # one expert takes every row; two column tiles, two K steps; extremes
-    ([1, 2, 0], 3, 64, 384, 128, False),     # decode: a few rows, K not a power of two, three K steps
+@pytest.mark.parametrize("group_sizes,num_rows,n,k,block_k,block_m,extreme", [
+    ([5, 0, 30], 37, 64, 256, 256, 16, False),  # empty expert, a 30-row expert in two tiles, 2 rows past the groups
+    ([0, 37, 0], 37, 128, 512, 256, 16, True),   # one expert takes every row; two column tiles, two K steps
+    ([1, 2, 0], 3, 64, 384, 128, 16, False),     # decode: a few rows, K not a power of two, three K steps
+    ([5, 0, 11], 17, 64, 256, 128, 8, False),    # 8-row tiles (wgmma N=8): an expert over two tiles
 ])
-def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, extreme):
+def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, block_m, extreme):
     x, packed, scales, gs = random_problem(71, group_sizes, num_rows, n=n, k=k)
     if extreme:
         x, scales = extreme_scales(x, scales)
     want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
-    got = mxfp4_grouped_matmul_mgpu(x, [prepare_weights(packed, scales)], gs, block_k=block_k, stages=2)
+    got = mxfp4_grouped_matmul_mgpu(x, [prepare_weights(packed, scales)], gs, block_k=block_k, block_m=block_m,
+                                    stages=2)
     assert got.shape == (num_rows, n) and got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -73,15 +75,18 @@ def test_prepared_layout_and_bad_arguments():
         mxfp4_grouped_matmul_mgpu(x, [(pairs[:1], moved[:1])], gs)  # fewer weight rows than experts
     with pytest.raises(ValueError, match="block_k"):
         mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_k=96)
+    with pytest.raises(ValueError, match="block_m"):
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_m=32)
     with pytest.raises(ValueError, match="multiple of 64"):
         prepare_weights(packed[:, :48], scales[:, :48])
 
 
-@pytest.mark.parametrize("rows,block_k,stages", [(64, 256, 4), (16, 512, 3)])
-def test_kernel_lowers_for_cuda(rows, block_k, stages):
+@pytest.mark.parametrize("rows,block_k,stages,block_m", [(64, 256, 4, 16), (16, 512, 3, 16), (8, 256, 6, 8)])
+def test_kernel_lowers_for_cuda(rows, block_k, stages, block_m):
     """``jax.export`` for CUDA runs Mosaic-GPU's lowering on the CPU (layout inference of the byte tile's upcast
     into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up at decode, 56 experts."""
-    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, stages=stages, interpret=False)
+    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, block_m=block_m, stages=stages,
+                           interpret=False)
     gate_up = [(S((56, 56, 3072, 32), jnp.uint8), S((56, 112, 3072), jnp.uint8))] * 2
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(S((rows, 3584), jnp.bfloat16), gate_up,
                                                                 S((56,), jnp.int32)).mlir_module()
