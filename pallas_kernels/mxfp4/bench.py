@@ -3,8 +3,8 @@
 Run: ``PYTHONPATH=. python3 pallas_kernels/mxfp4/bench.py`` (JSON to ``$OUT/mxfp4_bench.json``;
 ``BENCH_SUITE=decode`` for the decode-sized cases only; ``BENCH_SUITE=pairs`` for the K3 decode cases and one
 8K-token prefill case in the checkpoint byte order against the pair-halves order, no bf16; ``BENCH_SUITE=mgpu``
-for the K3 decode cases through the Mosaic-GPU kernel (``decode_mgpu.py``, ``MGPU_CFGS``) against the Triton
-kernel's default tiling in both byte orders).
+for the K3 decode cases and the 8K-token prefill case through the Mosaic-GPU kernel (``decode_mgpu.py``,
+``MGPU_CFGS`` / ``MGPU_PREFILL_CFGS``) against the Triton kernel's default tiling in both byte orders).
 Rows per step: T tokens x top-16 routing over 896 experts, counted on E local experts (uniform random routing),
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
@@ -38,6 +38,9 @@ SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": decode-sized cases on
 MGPU_CFGS = {f"k{bk}s{st}m{bm}": dict(block_k=bk, stages=st, block_m=bm)
              for bk, st, bm in ((256, 4, 16), (256, 6, 16), (512, 3, 16), (512, 4, 16), (256, 4, 8), (512, 4, 8))}
 """Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages, rows per tile."""
+MGPU_PREFILL_CFGS = {f"k{bk}s{st}m{bm}": dict(block_k=bk, stages=st, block_m=bm)
+                     for bk, st, bm in ((64, 4, 128), (128, 3, 128), (64, 4, 256), (128, 3, 256))}
+"""The same kernel at prefill row counts (one decoded weight tile shared by 128 or 256 rows)."""
 START = time.time()
 
 ALL_CFGS = {
@@ -134,7 +137,7 @@ def check_correctness(rng):
         except Exception as err:  # noqa: BLE001 - report and go on
             results[f"bf16/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
     prepared = prepare_weights(packed, scales)
-    for name, cfg in MGPU_CFGS.items():
+    for name, cfg in {**MGPU_CFGS, **MGPU_PREFILL_CFGS}.items():
         try:
             results[f"mxfp4_mgpu/{name}"] = rel(mxfp4_grouped_matmul_mgpu(x, [prepared], gs, **cfg), want)
         except Exception as err:  # noqa: BLE001 - report and go on
@@ -186,9 +189,11 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     cfgs = with_default(SWEEPS[(regime, "mxfp4")], tile_config(m, experts, n, k, "mxfp4"))
     pairs = to_pair_halves(packed)
     if SUITE == "mgpu":  # the Triton kernel's default tiling (checkpoint order) and best pair-halves tiling only
-        cfgs = {"default": tile_config(m, experts, n, k, "mxfp4"), "m16n64k256w4s4": ALL_CFGS["m16n64k256w4s4"]}
+        cfgs = {"default": tile_config(m, experts, n, k, "mxfp4")}
+        if regime == "decode":
+            cfgs["m16n64k256w4s4"] = ALL_CFGS["m16n64k256w4s4"]
         prepared = prepare_weights(packed, scales)
-        for name, cfg in MGPU_CFGS.items():
+        for name, cfg in (MGPU_CFGS if regime == "decode" else MGPU_PREFILL_CFGS).items():
             try:
                 case["mxfp4_mgpu"][name] = timed(lambda x, p, s, g, cfg=cfg: mxfp4_grouped_matmul_mgpu(
                     x, [(p, s)], g, **cfg), (xs, *prepared, gs))
@@ -305,7 +310,7 @@ def main():
     plan = [(t, 56, "decode") for t in (1, 8, 64, 256)] + [(256, 112, "decode")]
     if not decode_only:
         plan += [(t, 56, "prefill") for t in (1024, 8192)] + [(8192, 112, "prefill")]
-    elif SUITE == "pairs":  # one prefill case: the decode's instructions per weight also bound the MMA rate there
+    elif SUITE in ("pairs", "mgpu"):  # one prefill case: the decode's instructions per weight bound the MMA too
         plan += [(8192, 56, "prefill")]
     for tokens, experts, regime in plan:  # gate+up fused: N = 2 * 3072, K = 3584
         bench_case(rng, tokens, experts, 2 * WIDTH, LATENT, regime, cases)

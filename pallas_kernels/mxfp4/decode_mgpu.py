@@ -9,7 +9,7 @@ from shared memory in the layout whose upcast to 16 bits is the ``wgmma`` A layo
 (column j of one MX block) and high nibble (column j of the next) land where the two K=32 products need them.
 
 Orientation (decode): ``acc [64, BM] = W_tile [64, K] @ x_tile^T`` for 64 output columns of one expert and a tile
-of ``BM`` (``block_m``: 16, or 8) rows of that expert; the grid is (row tiles, N / 64) and each CTA streams its expert's K by TMA
+of ``BM`` (``block_m``, 8 to 256) rows of that expert; the grid is (row tiles, N / 64) and each CTA streams its expert's K by TMA
 through ``stages`` shared-memory stages (``plgpu.emit_pipeline``). Per 64 K columns: one ``[64, 32]`` byte tile,
 two E2M1 decodes (exact, as :func:`pallas_kernels.mxfp4.kernel._e2m1_to_bf16`), each multiplied by its block's
 E8M0 scale broadcast over the row (a power of two: bf16-exact unless it leaves bf16's normal range, the same
@@ -43,6 +43,7 @@ from pallas_kernels.mxfp4.tiles import make_tile_schedule
 ROWS_N = 64  # output columns per CTA: one warpgroup's wgmma M
 MX_BLOCK = 32
 GROUP = 2 * MX_BLOCK  # K columns per pair-halves byte group (32 bytes per row)
+BLOCK_MS = (8, 16, 32, 64, 128, 256)  # rows per tile = the wgmma N
 
 
 def prepare_weights(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -138,7 +139,8 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     :func:`pallas_kernels.mxfp4.mxfp4_grouped_matmul_concat` on the checkpoint bytes. Group ``e`` of
     ``group_sizes [E]`` uses weight row ``expert_offset + e`` (traced; e.g. layer j of ``[L*E, ...]`` stacks).
     ``block_k``: K columns per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
-    that divides K); ``block_m``: rows per tile, the wgmma's N (8 or 16: at decode most experts get one or two
+    that divides K); ``block_m``: rows per tile, the wgmma's N (one of ``BLOCK_MS``: 8 or 16 at decode, where most
+    experts get one or two rows; 128 or 256 at prefill, where the decode of a weight tile is shared by that many
     rows); ``stages``: shared-memory stages in flight. ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     num_rows, dim_k = x.shape
     num_experts = group_sizes.shape[0]
@@ -151,9 +153,9 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
                              f"K={dim_k}, E'>={num_experts}; got {packed.shape} and {scales.shape}")
         widths.append(dim_n)
     block_k = block_k or next((b for b in (256, 128, GROUP) if dim_k % b == 0), GROUP)
-    if block_k % GROUP or dim_k % block_k or block_m not in (8, 16):
-        raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; block_m={block_m} 8 "
-                         "or 16")
+    if block_k % GROUP or dim_k % block_k or block_m not in BLOCK_MS:
+        raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; block_m={block_m} one "
+                         f"of {BLOCK_MS}")
     schedule = make_tile_schedule(group_sizes, num_rows, block_m)  # [3, T]: expert, first row, end row
     real = (schedule[0] >= 0) & (schedule[0] < num_experts)
     weight_row = jnp.where(real, schedule[0] + jnp.asarray(expert_offset, jnp.int32), -1)

@@ -25,6 +25,7 @@ S = jax.ShapeDtypeStruct
     ([0, 37, 0], 37, 128, 512, 256, 16, True),   # one expert takes every row; two column tiles, two K steps
     ([1, 2, 0], 3, 64, 384, 128, 16, False),     # decode: a few rows, K not a power of two, three K steps
     ([5, 0, 11], 17, 64, 256, 128, 8, False),    # 8-row tiles (wgmma N=8): an expert over two tiles
+    ([70, 0, 60], 131, 64, 128, 64, 64, False),  # prefill-sized 64-row tiles, one step per 64 K columns
 ])
 def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, block_m, extreme):
     x, packed, scales, gs = random_problem(71, group_sizes, num_rows, n=n, k=k)
@@ -76,15 +77,17 @@ def test_prepared_layout_and_bad_arguments():
     with pytest.raises(ValueError, match="block_k"):
         mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_k=96)
     with pytest.raises(ValueError, match="block_m"):
-        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_m=32)
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_m=24)
     with pytest.raises(ValueError, match="multiple of 64"):
         prepare_weights(packed[:, :48], scales[:, :48])
 
 
-@pytest.mark.parametrize("rows,block_k,stages,block_m", [(64, 256, 4, 16), (16, 512, 3, 16), (8, 256, 6, 8)])
+@pytest.mark.parametrize("rows,block_k,stages,block_m", [(64, 256, 4, 16), (16, 512, 3, 16), (8, 256, 6, 8),
+                                                         (8192, 128, 3, 256)])
 def test_kernel_lowers_for_cuda(rows, block_k, stages, block_m):
     """``jax.export`` for CUDA runs Mosaic-GPU's lowering on the CPU (layout inference of the byte tile's upcast
-    into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up at decode, 56 experts."""
+    into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up over 56 experts, at decode and at
+    an 8K-token prefill with 256-row tiles (three 68 KB stages)."""
     fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, block_m=block_m, stages=stages,
                            interpret=False)
     gate_up = [(S((56, 56, 3072, 32), jnp.uint8), S((56, 112, 3072), jnp.uint8))] * 2
