@@ -81,7 +81,7 @@ def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs,
         ffn.use_pair_halves(stack)
 
 
-@pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.parametrize("tokens", [1, 13, 80])  # 80 tokens x 4 choices over 16 experts: prefill-sized tiles
 def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monkeypatch):
     """use_mgpu_layout re-lays the experts for the Mosaic-GPU decode kernel (w1_packed / w1_scale -> w1_mgpu /
     w1_mgpu_scale); the reference path then gives exactly what the checkpoint bytes gave, and the Pallas path

@@ -35,11 +35,14 @@ TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
 REPS = 8
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
 SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": decode-sized cases only; "pairs": K3 decode, MXFP4 only
-MGPU_CFGS = {f"k{bk}s{st}m{bm}": dict(block_k=bk, stages=st, block_m=bm)
-             for bk, st, bm in ((256, 4, 16), (256, 6, 16), (512, 3, 16), (512, 4, 16), (256, 4, 8), (512, 4, 8))}
-"""Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages, rows per tile."""
-MGPU_PREFILL_CFGS = {f"k{bk}s{st}m{bm}": dict(block_k=bk, stages=st, block_m=bm)
-                     for bk, st, bm in ((64, 4, 128), (128, 3, 128), (64, 4, 256), (128, 3, 256))}
+MGPU_CFGS = {f"k{bk}s{st}m{bm}w{wgs}": dict(block_k=bk, stages=st, block_m=bm, wgs=wgs)
+             for bk, st, bm, wgs in ((256, 4, 16, 1), (256, 6, 16, 1), (512, 3, 16, 1), (512, 4, 16, 1),
+                                     (256, 4, 8, 1), (512, 4, 8, 1), (256, 4, 16, 2))}
+"""Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages, rows per tile, compute
+warpgroups per CTA (64 output columns each)."""
+MGPU_PREFILL_CFGS = {f"k{bk}s{st}m{bm}w{wgs}": dict(block_k=bk, stages=st, block_m=bm, wgs=wgs)
+                     for bk, st, bm, wgs in ((64, 4, 128, 1), (128, 3, 256, 1), (64, 4, 128, 2), (64, 4, 256, 2),
+                                             (128, 3, 256, 2))}
 """The same kernel at prefill row counts (one decoded weight tile shared by 128 or 256 rows)."""
 START = time.time()
 

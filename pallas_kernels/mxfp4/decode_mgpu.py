@@ -76,50 +76,51 @@ def _e8m0_bf16(scales: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(jnp.where(s == 0, jnp.uint16(0x40), s << 7), jnp.bfloat16)
 
 
-def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, stages, interpret):
+def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, stages, wgs, interpret):
     *w_refs, o_gmem = refs[:-1] if interpret else refs
     dec_smem = refs[-1] if interpret else None
-    tile, n_tile = lax.axis_index("tile"), lax.axis_index("n")
+    tile, n_tile, wg = lax.axis_index("tile"), lax.axis_index("n"), lax.axis_index("wg")
     row = sched_gmem[tile]  # weight row (expert + offset) of this row tile; -1: no rows of a real expert
+    mine = pl.ds(wg * ROWS_N, ROWS_N)  # this compute warpgroup's 64 of the CTA's weight rows
 
-    def step(acc_ref, _, packed_smem, scales_smem, x_smem):
+    def step(_, packed_smem, scales_smem, x_smem, acc_ref):
         for g in range(block_k // GROUP):  # static
-            codes = packed_smem[g].astype(jnp.uint16)  # [64, 32]: byte j = column j of blocks 2g and 2g + 1
+            codes = packed_smem[g, mine].astype(jnp.uint16)  # [64, 32]: byte j = column j of blocks 2g, 2g + 1
             for half in range(2):
                 block = 2 * g + half
                 w = _e2m1_bits((codes & 0xF) if half == 0 else (codes >> 4))
-                w = w * lax.broadcast_in_dim(_e8m0_bf16(scales_smem[block]), w.shape, [0])
+                w = w * lax.broadcast_in_dim(_e8m0_bf16(scales_smem[block, mine]), w.shape, [0])
                 if interpret:  # the interpreter's wgmma reads A from shared memory only
-                    dec_smem[...] = w
+                    dec_smem[wg] = w
                     plgpu.commit_smem()
-                    w = dec_smem
+                    w = dec_smem.at[wg]
                 plgpu.wgmma(acc_ref, w, x_smem.at[block].T)
         plgpu.wgmma_wait(0)
+        return acc_ref
 
-    def product(packed_gmem, scales_gmem, local_tile, acc_ref):
-        expert = jnp.clip(row, 0, num_weight_rows - 1)
-        plgpu.emit_pipeline(
-            functools.partial(step, acc_ref), grid=(x_gmem.shape[1] * MX_BLOCK // block_k,),
-            max_concurrent_steps=stages,
+    def pipeline(packed_gmem, scales_gmem, first):
+        expert, local_tile = jnp.clip(row, 0, num_weight_rows - 1), n_tile - first
+
+        def compute(run_pipeline):
+            acc = pl.run_scoped(lambda acc_ref: run_pipeline(acc_ref)[...],
+                                plgpu.ACC((ROWS_N, x_gmem.shape[2]), jnp.float32))
+            o_gmem.at[tile, pl.ds(n_tile * wgs * ROWS_N + wg * ROWS_N, ROWS_N)][...] = acc.astype(o_gmem.dtype)
+
+        plgpu.emit_pipeline_warp_specialized(
+            step, grid=(x_gmem.shape[1] * MX_BLOCK // block_k,), memory_registers=40, wg_axis="wg",
+            num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute,
             in_specs=[
-                plgpu.BlockSpec((None, block_k // GROUP, ROWS_N, MX_BLOCK), lambda k: (expert, k, local_tile, 0),
-                                transforms=_transforms(MX_BLOCK, 8)),
-                plgpu.BlockSpec((None, block_k // MX_BLOCK, ROWS_N), lambda k: (expert, k, local_tile)),
+                plgpu.BlockSpec((None, block_k // GROUP, wgs * ROWS_N, MX_BLOCK),
+                                lambda k: (expert, k, local_tile, 0), transforms=_transforms(MX_BLOCK, 8)),
+                plgpu.BlockSpec((None, block_k // MX_BLOCK, wgs * ROWS_N), lambda k: (expert, k, local_tile)),
                 plgpu.BlockSpec((None, block_k // MX_BLOCK, x_gmem.shape[2], MX_BLOCK), lambda k: (tile, k, 0, 0),
                                 transforms=_transforms(MX_BLOCK, 16)),
             ])(packed_gmem, scales_gmem, x_gmem)
-        return acc_ref[...]
 
     first = 0
     for part, tiles in enumerate(part_tiles):  # static: one pipeline per weight matrix
-        packed_gmem, scales_gmem = w_refs[2 * part:2 * part + 2]
-
-        @pl.when((row >= 0) & (n_tile >= first) & (n_tile < first + tiles))
-        def _(packed_gmem=packed_gmem, scales_gmem=scales_gmem, first=first):
-            acc = pl.run_scoped(functools.partial(product, packed_gmem, scales_gmem, n_tile - first),
-                                plgpu.ACC((ROWS_N, x_gmem.shape[2]), jnp.float32))
-            o_gmem.at[tile, pl.ds(n_tile * ROWS_N, ROWS_N)][...] = acc.astype(o_gmem.dtype)
-
+        pl.when((row >= 0) & (n_tile >= first) & (n_tile < first + tiles))(
+            functools.partial(pipeline, *w_refs[2 * part:2 * part + 2], first))
         first += tiles
 
 
@@ -129,10 +130,10 @@ def _transforms(minor: int, bits: int):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "block_m", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "block_m", "stages", "wgs", "interpret"))
 def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]], group_sizes: jax.Array,
                               expert_offset: jax.Array | int = 0, *, block_k: int | None = None, block_m: int = 16,
-                              stages: int = 4, interpret: bool | None = None) -> jax.Array:
+                              stages: int = 4, wgs: int = 1, interpret: bool | None = None) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert times each of ``matrices``, ``(packed [E', K/64, N_i, 32], scales
     [E', K/32, N_i])`` from :func:`prepare_weights`, side by side -> ``[M, sum N_i]`` in ``x.dtype`` (fp32
     accumulation; rows at or past ``sum(group_sizes)`` are zero), as
@@ -141,7 +142,8 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     ``block_k``: K columns per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
     that divides K); ``block_m``: rows per tile, the wgmma's N (one of ``BLOCK_MS``: 8 or 16 at decode, where most
     experts get one or two rows; 128 or 256 at prefill, where the decode of a weight tile is shared by that many
-    rows); ``stages``: shared-memory stages in flight. ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+    rows); ``stages``: shared-memory stages in flight; ``wgs``: compute warpgroups per CTA, each 64 output columns
+    (1 or 2; 2 halves how often a row tile is streamed, for prefill, and needs every ``N_i`` a multiple of 128). ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     num_rows, dim_k = x.shape
     num_experts = group_sizes.shape[0]
     widths = []
@@ -153,6 +155,8 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
                              f"K={dim_k}, E'>={num_experts}; got {packed.shape} and {scales.shape}")
         widths.append(dim_n)
     block_k = block_k or next((b for b in (256, 128, GROUP) if dim_k % b == 0), GROUP)
+    if any(n % (wgs * ROWS_N) for n in widths) or wgs not in (1, 2):
+        raise ValueError(f"wgs={wgs} must be 1 or 2, with every N in {widths} a multiple of {wgs * ROWS_N}")
     if block_k % GROUP or dim_k % block_k or block_m not in BLOCK_MS:
         raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; block_m={block_m} one "
                          f"of {BLOCK_MS}")
@@ -164,14 +168,15 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     x_tiles = jnp.transpose(x_tiles.reshape(-1, block_m, dim_k // MX_BLOCK, MX_BLOCK), (0, 2, 1, 3))
     interpret = not on_gpu() if interpret is None else interpret
     num_tiles, dim_n = schedule.shape[1], sum(widths)
-    kernel = functools.partial(_kernel, part_tiles=tuple(n // ROWS_N for n in widths),
-                               num_weight_rows=matrices[0][0].shape[0], block_k=block_k, stages=stages,
+    kernel = functools.partial(_kernel, part_tiles=tuple(n // (wgs * ROWS_N) for n in widths),
+                               num_weight_rows=matrices[0][0].shape[0], block_k=block_k, stages=stages, wgs=wgs,
                                interpret=interpret)
-    dec_smem = [plgpu.SMEM((ROWS_N, MX_BLOCK), jnp.bfloat16, transforms=_transforms(MX_BLOCK, 16))] if interpret else []
+    dec_smem = [plgpu.SMEM((wgs, ROWS_N, MX_BLOCK), jnp.bfloat16, transforms=_transforms(MX_BLOCK, 16))
+                ] if interpret else []
     tiles_out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_tiles, dim_n, block_m), x.dtype),
-        grid=(num_tiles, dim_n // ROWS_N), grid_names=("tile", "n"),
+        grid=(num_tiles, dim_n // (wgs * ROWS_N)), grid_names=("tile", "n"), num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dec_smem,
         interpret=plgpu.InterpretGPUParams() if interpret else None,

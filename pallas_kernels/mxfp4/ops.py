@@ -55,6 +55,16 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     return cfg
 
 
+def mgpu_tile_config(num_rows: int, num_experts: int, widths: tuple[int, ...]) -> dict:
+    """Tiles of the Mosaic-GPU MXFP4 kernel for a problem size: 16-row tiles and one compute warpgroup per CTA
+    at decode (at most 16 rows per expert on average), otherwise 128-row tiles and, where every width allows,
+    two warpgroups (the row tile is then streamed half as often). A first guess: the H200 sweep
+    (``BENCH_SUITE=mgpu``) has not run yet."""
+    if num_rows <= 16 * num_experts:
+        return dict(block_m=16, wgs=1)
+    return dict(block_m=128, wgs=2 if all(n % 128 == 0 for n in widths) else 1)
+
+
 def _flatten_layers(layer: int | None, *weights: jax.Array) -> tuple[tuple[jax.Array, ...], int]:
     """Stacked ``[L, E, ...]`` weights -> their ``[L*E, ...]`` bitcasts and the offset of ``layer``'s experts
     (a slice ``w[layer]`` fed to the kernel would be copied by XLA on every call). The offset is passed to the
@@ -110,7 +120,8 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
             byte_order = "checkpoint"
         else:
             flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
-            return mxfp4_grouped_matmul_mgpu(x, tuple(zip(flat[0::2], flat[1::2])), groups, offset)
+            cfg = mgpu_tile_config(x.shape[0], groups.shape[0], tuple(s.shape[-1] for _, s in matrices))
+            return mxfp4_grouped_matmul_mgpu(x, tuple(zip(flat[0::2], flat[1::2])), groups, offset, **cfg)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
         unpair = from_pair_halves if byte_order == "pairs" else (lambda a: a)

@@ -14,26 +14,27 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights, restore_weights
+from pallas_kernels.mxfp4.ops import mgpu_tile_config
 from pallas_kernels.mxfp4.reference import mxfp4_grouped_matmul_reference
 from tests.kernels.test_mxfp4_kernels import assert_rows_close, extreme_scales, random_problem
 
 S = jax.ShapeDtypeStruct
 
 
-@pytest.mark.parametrize("group_sizes,num_rows,n,k,block_k,block_m,extreme", [
-    ([5, 0, 30], 37, 64, 256, 256, 16, False),  # empty expert, a 30-row expert in two tiles, 2 rows past the groups
-    ([0, 37, 0], 37, 128, 512, 256, 16, True),   # one expert takes every row; two column tiles, two K steps
-    ([1, 2, 0], 3, 64, 384, 128, 16, False),     # decode: a few rows, K not a power of two, three K steps
-    ([5, 0, 11], 17, 64, 256, 128, 8, False),    # 8-row tiles (wgmma N=8): an expert over two tiles
-    ([70, 0, 60], 131, 64, 128, 64, 64, False),  # prefill-sized 64-row tiles, one step per 64 K columns
+@pytest.mark.parametrize("group_sizes,num_rows,n,k,block_k,block_m,wgs,extreme", [
+    ([5, 0, 30], 37, 64, 256, 256, 16, 1, False),  # empty expert, a 30-row expert in two tiles, 2 rows past
+    ([0, 37, 0], 37, 128, 512, 256, 16, 1, True),   # one expert takes every row; two column tiles, two K steps
+    ([1, 2, 0], 3, 64, 384, 128, 16, 1, False),     # decode: a few rows, K not a power of two, three K steps
+    ([5, 0, 11], 17, 64, 256, 128, 8, 1, False),    # 8-row tiles (wgmma N=8): an expert over two tiles
+    ([70, 0, 60], 131, 128, 128, 64, 64, 2, True),  # prefill-sized 64-row tiles, two compute warpgroups
 ])
-def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, block_m, extreme):
+def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, block_m, wgs, extreme):
     x, packed, scales, gs = random_problem(71, group_sizes, num_rows, n=n, k=k)
     if extreme:
         x, scales = extreme_scales(x, scales)
     want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
     got = mxfp4_grouped_matmul_mgpu(x, [prepare_weights(packed, scales)], gs, block_k=block_k, block_m=block_m,
-                                    stages=2)
+                                    stages=2, wgs=wgs)
     assert got.shape == (num_rows, n) and got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -78,19 +79,28 @@ def test_prepared_layout_and_bad_arguments():
         mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_k=96)
     with pytest.raises(ValueError, match="block_m"):
         mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_m=24)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, wgs=2)  # N = 64
     with pytest.raises(ValueError, match="multiple of 64"):
         prepare_weights(packed[:, :48], scales[:, :48])
 
 
-@pytest.mark.parametrize("rows,block_k,stages,block_m", [(64, 256, 4, 16), (16, 512, 3, 16), (8, 256, 6, 8),
-                                                         (8192, 128, 3, 256)])
-def test_kernel_lowers_for_cuda(rows, block_k, stages, block_m):
+@pytest.mark.parametrize("rows,block_k,stages,block_m,wgs", [(64, 256, 4, 16, 1), (16, 512, 3, 16, 1),
+                                                             (8, 256, 6, 8, 1), (8192, 128, 3, 256, 1),
+                                                             (8192, 64, 4, 256, 2), (64, 256, 4, 16, 2)])
+def test_kernel_lowers_for_cuda(rows, block_k, stages, block_m, wgs):
     """``jax.export`` for CUDA runs Mosaic-GPU's lowering on the CPU (layout inference of the byte tile's upcast
     into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up over 56 experts, at decode and at
-    an 8K-token prefill with 256-row tiles (three 68 KB stages)."""
-    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, block_m=block_m, stages=stages,
+    an 8K-token prefill with 256-row tiles (three 68 KB stages; two compute warpgroups)."""
+    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, block_m=block_m, stages=stages, wgs=wgs,
                            interpret=False)
     gate_up = [(S((56, 56, 3072, 32), jnp.uint8), S((56, 112, 3072), jnp.uint8))] * 2
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(S((rows, 3584), jnp.bfloat16), gate_up,
                                                                 S((56,), jnp.int32)).mlir_module()
     assert "mosaic_gpu" in module
+
+
+def test_tile_config_by_rows_per_expert():
+    assert mgpu_tile_config(256, 56, (3072, 3072)) == dict(block_m=16, wgs=1)  # K3 decode, 256 tokens: 4.6 per expert
+    assert mgpu_tile_config(8222, 56, (3072, 3072)) == dict(block_m=128, wgs=2)  # 8K-token prefill
+    assert mgpu_tile_config(8222, 56, (3072, 64)) == dict(block_m=128, wgs=1)  # a width that 128 does not divide
