@@ -11,7 +11,7 @@ from shared memory in the layout whose upcast to 16 bits is the ``wgmma`` A layo
 Orientation (decode): ``acc [64, BM] = W_tile [64, K] @ x_tile^T`` for 64 output columns of one expert and a tile
 of ``BM`` (``block_m``, 8 to 256) rows of that expert; the grid is (row tiles, N / 64) and each CTA streams its expert's K by TMA
 through ``stages`` shared-memory stages (``plgpu.emit_pipeline``). Per 64 K columns: one ``[64, 32]`` byte tile,
-two E2M1 decodes (exact, as :func:`pallas_kernels.mxfp4.kernel._e2m1_to_bf16`), each multiplied by its block's
+two E2M1 decodes (exact: the Triton kernel's ``e2m1_to_bf16``), each multiplied by its block's
 E8M0 scale broadcast over the row (a power of two: bf16-exact unless it leaves bf16's normal range, the same
 rounding as the Triton kernel), and two K=32 ``wgmma`` against ``x``'s matching 32 columns.
 
@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.quant.mxfp4 import from_pair_halves, to_pair_halves
 from pallas_kernels.impl import on_gpu
+from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
 ROWS_N = 64  # output columns per CTA: one warpgroup's wgmma M
@@ -63,19 +64,6 @@ def restore_weights(packed: jax.Array, scales: jax.Array) -> tuple[jax.Array, ja
     return from_pair_halves(pairs), jnp.swapaxes(scales, -1, -2)
 
 
-def _e2m1_bits(codes: jax.Array) -> jax.Array:
-    """uint16 E2M1 codes (0..15) -> exact bf16 values (the Triton kernel's decode)."""
-    mag = codes & 7
-    bits = jnp.where(mag >= 2, (mag << 6) + 0x3F00, mag * 0x3F00) | ((codes & 8) << 12)
-    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
-
-
-def _e8m0_bf16(scales: jax.Array) -> jax.Array:
-    """uint8 E8M0 exponents -> bf16 ``2**(s - 127)`` (code 0 is the bf16 subnormal 2**-127)."""
-    s = scales.astype(jnp.uint16)
-    return lax.bitcast_convert_type(jnp.where(s == 0, jnp.uint16(0x40), s << 7), jnp.bfloat16)
-
-
 def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, stages, wgs, interpret):
     *w_refs, o_gmem = refs[:-1] if interpret else refs
     dec_smem = refs[-1] if interpret else None
@@ -88,8 +76,8 @@ def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, sta
             codes = packed_smem[g, mine].astype(jnp.uint16)  # [64, 32]: byte j = column j of blocks 2g, 2g + 1
             for half in range(2):
                 block = 2 * g + half
-                w = _e2m1_bits((codes & 0xF) if half == 0 else (codes >> 4))
-                w = w * lax.broadcast_in_dim(_e8m0_bf16(scales_smem[block, mine]), w.shape, [0])
+                w = e2m1_to_bf16((codes & 0xF) if half == 0 else (codes >> 4))
+                w = w * lax.broadcast_in_dim(e8m0_to_bf16(scales_smem[block, mine]), w.shape, [0])
                 if interpret:  # the interpreter's wgmma reads A from shared memory only
                     dec_smem[wg] = w
                     plgpu.commit_smem()

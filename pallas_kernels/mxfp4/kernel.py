@@ -3,7 +3,7 @@
 Grid ``(T, N / block_n, split_k)``: program ``(t, j, s)`` computes rows ``[first_row_t, end_row_t)`` (at most
 ``block_m``) of expert ``e_t`` for output columns ``[j * block_n, (j + 1) * block_n)`` over part s of K; the tile
 schedule comes from :mod:`pallas_kernels.mxfp4.tiles` and is read inside the kernel (Triton has no scalar
-prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4 tiles are decoded to bf16 in registers:
+prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4 tiles are decoded to bf16 in registers (:mod:`pallas_kernels.mxfp4.decode`):
 
 * E2M1 magnitude ``c`` (3 bits) -> bf16 bits ``0x3F00 + (c << 6)`` is exact for ``c >= 2`` (exponent ``e + 126``,
   mantissa bit ``m``); codes 0 and 1 (0 and 0.5) are selected as ``c * 0x3F00``; the sign goes to bit 15.
@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kimi_jax.quant.mxfp4 import e8m0_to_float32
 from pallas_kernels.impl import interpret_mode
+from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
 MX_BLOCK = 32
@@ -45,13 +46,6 @@ SHARED_EXPERT = -1
 """Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
 SCALE_WEIGHTS_FROM_ROWS = 64
 """Pair-halves row tiles of at least this many rows scale the decoded weights, not each block's product."""
-
-
-def _e2m1_to_bf16(codes: jax.Array) -> jax.Array:
-    """uint16 E2M1 codes -> exact bf16 values (see the module docstring)."""
-    mag = codes & 7
-    bits = jnp.where(mag >= 2, (mag << 6) + 0x3F00, mag * 0x3F00) | ((codes & 8) << 12)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def _nibble_ptx(mask: int, magnitude_shift: int, sign_shift: int) -> str:
@@ -77,13 +71,7 @@ def _decode_nibbles(packed: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
                                                      result_shape_dtypes=[shape])[0]
                      for ptx in (_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX))
     p = packed.astype(jnp.uint16)
-    return _e2m1_to_bf16(p & 0xF), _e2m1_to_bf16(p >> 4)
-
-
-def _e8m0_to_bf16(scales: jax.Array) -> jax.Array:
-    """uint8 E8M0 exponents -> bf16 ``2**(s - 127)`` (code 0 is the bf16 subnormal 2**-127)."""
-    s = scales.astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(jnp.where(s == 0, jnp.uint16(0x40), s << 7), jnp.bfloat16)
+    return e2m1_to_bf16(p & 0xF), e2m1_to_bf16(p >> 4)
 
 
 def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
@@ -91,8 +79,8 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
     bn, half = packed.shape
     p = packed.astype(jnp.uint16)
     codes = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(bn, 2 * half)  # low nibble = even column
-    s = jnp.broadcast_to(_e8m0_to_bf16(scales)[:, :, None], (bn, scales.shape[1], MX_BLOCK))
-    return _e2m1_to_bf16(codes) * s.reshape(bn, 2 * half)
+    s = jnp.broadcast_to(e8m0_to_bf16(scales)[:, :, None], (bn, scales.shape[1], MX_BLOCK))
+    return e2m1_to_bf16(codes) * s.reshape(bn, 2 * half)
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
@@ -149,7 +137,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                                       mask=x_mask[:, None], other=0.0)
                     scale_codes = scales_ref[expert, cols, block]  # [bn] uint8
                     if block_m >= SCALE_WEIGHTS_FROM_ROWS:
-                        w = w * _e8m0_to_bf16(scale_codes)[:, None]
+                        w = w * e8m0_to_bf16(scale_codes)[:, None]
                         product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
                             x, w.T, preferred_element_type=jnp.float32)
                     else:

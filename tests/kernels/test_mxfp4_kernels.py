@@ -22,8 +22,8 @@ from kimi_jax.quant.mxfp4 import E2M1_VALUES, dequantize, from_pair_halves, to_p
 from pallas_kernels.mxfp4 import (SHARED_EXPERT, grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
                                   mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
                                   mxfp4_matmul, mxfp4_matmul_reference)
-from pallas_kernels.mxfp4.kernel import (_e2m1_to_bf16, _e8m0_to_bf16, grouped_gemm_concat_pallas,
-                                         grouped_gemm_pallas)
+from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
+from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas
 from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
@@ -49,11 +49,11 @@ def random_problem(seed, group_sizes, num_rows, n=16, k=64, scale_range=(120, 13
 
 
 def test_decode_helpers_exact():
-    got = np.asarray(_e2m1_to_bf16(jnp.arange(16, dtype=jnp.uint16)).astype(jnp.float32))
+    got = np.asarray(e2m1_to_bf16(jnp.arange(16, dtype=jnp.uint16)).astype(jnp.float32))
     np.testing.assert_array_equal(got, E2M1_VALUES)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(E2M1_VALUES))
     s = np.arange(1, 255)
-    got = np.asarray(_e8m0_to_bf16(jnp.asarray(s, jnp.uint8)).astype(jnp.float32), np.float64)
+    got = np.asarray(e8m0_to_bf16(jnp.asarray(s, jnp.uint8)).astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(got, 2.0 ** (s - 127.0))
 
 
