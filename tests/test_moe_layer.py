@@ -87,16 +87,17 @@ def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monke
     w1_mgpu_scale); the reference path then gives exactly what the checkpoint bytes gave, and the Pallas path
     (rows sorted by expert even for one token, the kernel in Mosaic-GPU's interpreter) the same within bf16."""
     monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", 32)
-    cfg = ModelConfig(**{**BASE, "moe_intermediate_size": 64}, experts_mxfp4=True)  # K = N = 64 everywhere
+    cfg = ModelConfig(**{**BASE, "num_layers": 3, "layer_types": ("kda",) * 3, "mlp_types": ("dense", "moe", "moe"),
+                         "moe_intermediate_size": 64}, experts_mxfp4=True)  # K = N = 64 everywhere
     stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)
-    want = np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32)
+    want = np.asarray(moe(stack, 1, x, cfg, impl="reference"), np.float32)  # the second MoE layer of the stack
     ffn.use_mgpu_layout(stack)
     assert not hasattr(stack, "w1_packed") and not hasattr(stack, "w1_scale")
-    assert stack.w2_mgpu[...].shape == (1, 16, 1, 64, 32) and stack.w2_mgpu_scale[...].shape == (1, 16, 2, 64)
+    assert stack.w2_mgpu[...].shape == (2, 16, 1, 64, 32) and stack.w2_mgpu_scale[...].shape == (2, 16, 2, 64)
     assert not ffn._row_path(stack, tokens, cfg.num_experts_per_token, "pallas")
-    np.testing.assert_array_equal(np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32), want)
-    got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
+    np.testing.assert_array_equal(np.asarray(moe(stack, 1, x, cfg, impl="reference"), np.float32), want)
+    got = np.asarray(moe(stack, 1, x, cfg, impl="pallas"), np.float32)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
     with pytest.raises(ValueError, match="w1_packed"):
