@@ -1,4 +1,4 @@
-"""MXFP4 grouped GEMM for decode-sized row counts as a Mosaic-GPU (Hopper warpgroup) kernel.
+"""MXFP4 grouped GEMM as a Mosaic-GPU (Hopper warpgroup) kernel: decode row counts first, prefill too.
 
 Why: the Triton kernel streams K3's experts at about 28% of copy bandwidth at decode sizes (BENCHMARKS.md,
 session 12). It decodes a ``[block_n, block_k]`` tile in registers and then hands it to the MMA, which in
@@ -8,12 +8,14 @@ register A operand directly: the pair-halves bytes (:func:`kimi_jax.quant.mxfp4.
 from shared memory in the layout whose upcast to 16 bits is the ``wgmma`` A layout, so a byte's low nibble
 (column j of one MX block) and high nibble (column j of the next) land where the two K=32 products need them.
 
-Orientation (decode): ``acc [64, BM] = W_tile [64, K] @ x_tile^T`` for 64 output columns of one expert and a tile
-of ``BM`` (``block_m``, 8 to 256) rows of that expert; the grid is (row tiles, N / 64) and each CTA streams its expert's K by TMA
-through ``stages`` shared-memory stages (``plgpu.emit_pipeline``). Per 64 K columns: one ``[64, 32]`` byte tile,
-two E2M1 decodes (exact: the Triton kernel's ``e2m1_to_bf16``), each multiplied by its block's
-E8M0 scale broadcast over the row (a power of two: bf16-exact unless it leaves bf16's normal range, the same
-rounding as the Triton kernel), and two K=32 ``wgmma`` against ``x``'s matching 32 columns.
+Orientation: ``acc [64, BM] = W_tile [64, K] @ x_tile^T`` per compute warpgroup, for 64 output columns of one
+expert and a tile of ``BM`` (``block_m``, 8 to 256) rows of that expert. The grid is (row tiles, N / (64 wgs));
+a CTA has ``wgs`` compute warpgroups (64 output columns each, sharing the row tile) and a memory warpgroup that
+streams the expert's K by TMA through ``stages`` shared-memory stages (``plgpu.emit_pipeline_warp_specialized``).
+Per 64 K columns: one ``[64, 32]`` byte tile, two exact E2M1 decodes (:mod:`pallas_kernels.mxfp4.decode`), each
+multiplied by its block's E8M0 scale broadcast over the row (a power of two: bf16-exact unless it leaves bf16's
+normal range, the same rounding as the Triton kernel), and two K=32 ``wgmma`` against ``x``'s matching 32
+columns.
 
 Layouts, made once by :func:`prepare_weights` (a load-time re-layout; the checkpoint bytes stay the loader's
 input): packed ``[E, K/64, N, 32]`` (every (expert, 64-column group, 64-row tile) a contiguous 2 KB TMA box) and
