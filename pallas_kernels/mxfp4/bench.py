@@ -37,7 +37,7 @@ DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", 230))
 SUITE = os.environ.get("BENCH_SUITE", "full")  # "decode": decode-sized cases only; "pairs": K3 decode, MXFP4 only
 MGPU_CFGS = {f"k{bk}s{st}m{bm}w{wgs}": dict(block_k=bk, stages=st, block_m=bm, wgs=wgs)
              for bk, st, bm, wgs in ((256, 4, 16, 1), (256, 6, 16, 1), (512, 3, 16, 1), (512, 4, 16, 1),
-                                     (256, 4, 8, 1), (512, 4, 8, 1), (256, 4, 16, 2))}
+                                     (256, 4, 8, 1), (512, 4, 8, 1), (256, 4, 16, 2), (256, 4, 8, 2), (512, 3, 8, 2))}
 """Mosaic-GPU decode kernel configs: K columns per pipeline step, shared-memory stages, rows per tile, compute
 warpgroups per CTA (64 output columns each)."""
 MGPU_PREFILL_CFGS = {f"k{bk}s{st}m{bm}w{wgs}": dict(block_k=bk, stages=st, block_m=bm, wgs=wgs)
