@@ -9,7 +9,8 @@ Two launches (spec 1.7), both reading the packed ``[T, ...]`` inputs in place (n
    triangular solve by block forward substitution (each 16 x 16 diagonal block inverted as a product of four
    factors), and the chunk summaries ``w, u, qg = q*Gamma,
    kg = k*exp(G_C - G), A_qk, exp(G_C)``.
-2. ``_scan_kernel``, grid ``(N, HV, V // BV)``, sequential over the chunks of one sequence: ``U = u - w S``,
+2. ``_scan_kernel``, grid ``(HV, V // BV, N)``, sequential over the chunks of one sequence (the sequences in
+   decreasing length, so that the GPU starts every program of the longest sequence first): ``U = u - w S``,
    ``o = qg S + A_qk U``, ``S <- exp(G_C) S + kg^T U``, and the states at the requested checkpoint positions
    (chunk-start state plus a partial-chunk correction, recomputing that chunk's ``G`` from the raw inputs).
 
@@ -188,12 +189,13 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
         decay_ref[...] = jnp.exp(offset)
 
 
-def _scan_kernel(seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref, seq_len_ref, positions_ref, w_ref, u_ref, qg_ref,
-                 kg_ref, aqk_ref, decay_ref, s0_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, o_init_ref, o_ref,
-                 final_ref, *checkpoint_refs, opts: _Options, block_v: int, num_positions: int,
+def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref, seq_len_ref, positions_ref, w_ref,
+                 u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, s0_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, o_init_ref,
+                 o_ref, final_ref, *checkpoint_refs, opts: _Options, block_v: int, num_positions: int,
                  has_initial_state: bool):
     del o_init_ref  # aliased to o_ref (zero-initialised so tokens past the last sequence read 0)
-    seq, hv, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hv, iv = pl.program_id(0), pl.program_id(1)
+    seq = seq_order_ref[pl.program_id(2)]  # longest first: the last axis is the slowest in launch order
     head = hv // opts.group
     vs = pl.ds(iv * block_v, block_v)
     chunk0, num_chunks = seq_chunk0_ref[seq], seq_num_chunks_ref[seq]
@@ -324,7 +326,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     else:
         positions, num_positions = checkpoint_positions.astype(jnp.int32), checkpoint_positions.shape[1]
     o_init = jnp.zeros((num_tokens, num_value_heads, value_dim), q.dtype)
-    scan_inputs = (*seq_meta, positions, w, u, qg, kg, aqk, decay, s0, k, g, a_log, dt_bias, o_init)
+    order = jnp.argsort(-seq_meta[3], stable=True).astype(jnp.int32)  # sequences by decreasing length
+    scan_inputs = (order, *seq_meta, positions, w, u, qg, kg, aqk, decay, s0, k, g, a_log, dt_bias, o_init)
     state_shape = (num_seqs, num_value_heads, head_dim, value_dim)
     out_shape = [jax.ShapeDtypeStruct(o_init.shape, q.dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)]
     if num_positions:
@@ -333,7 +336,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         functools.partial(_scan_kernel, opts=opts, block_v=block_v, num_positions=num_positions,
                           has_initial_state=has_initial_state),
         out_shape=tuple(out_shape),
-        grid=(num_seqs, num_value_heads, value_dim // block_v),
+        grid=(num_value_heads, value_dim // block_v, num_seqs),
         in_specs=[_full(x.shape) for x in scan_inputs],
         out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={len(scan_inputs) - 1: 0},
