@@ -85,7 +85,8 @@ def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs,
 def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monkeypatch):
     """use_mgpu_layout re-lays the experts for the Mosaic-GPU decode kernel (w1_packed / w1_scale -> w1_mgpu /
     w1_mgpu_scale); the reference path then gives exactly what the checkpoint bytes gave, and the Pallas path
-    (rows sorted by expert even for one token, the kernel in Mosaic-GPU's interpreter) the same within bf16."""
+    (per-row tiles for one token, rows sorted by expert for more; the kernel in Mosaic-GPU's interpreter) the
+    same within bf16."""
     monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", 32)
     cfg = ModelConfig(**{**BASE, "num_layers": 3, "layer_types": ("kda",) * 3, "mlp_types": ("dense", "moe", "moe"),
                          "moe_intermediate_size": 64}, experts_mxfp4=True)  # K = N = 64 everywhere
@@ -95,7 +96,7 @@ def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monke
     ffn.use_mgpu_layout(stack)
     assert not hasattr(stack, "w1_packed") and not hasattr(stack, "w1_scale")
     assert stack.w2_mgpu[...].shape == (2, 16, 1, 64, 32) and stack.w2_mgpu_scale[...].shape == (2, 16, 2, 64)
-    assert not ffn._row_path(stack, tokens, cfg.num_experts_per_token, "pallas")
+    assert ffn._row_path(tokens, cfg.num_experts_per_token, "pallas") == (tokens == 1)  # per-row or sorted rows
     np.testing.assert_array_equal(np.asarray(moe(stack, 1, x, cfg, impl="reference"), np.float32), want)
     got = np.asarray(moe(stack, 1, x, cfg, impl="pallas"), np.float32)
     assert np.isfinite(got).all()

@@ -123,8 +123,7 @@ def use_pair_halves(p: MoEStack) -> None:
 def use_mgpu_layout(p: MoEStack) -> None:
     """Re-lay an MXFP4 stack's experts for the Mosaic-GPU decode kernel, in place: ``w1_packed`` / ``w1_scale``
     become ``w1_mgpu [L, E, K/64, N, 32]`` / ``w1_mgpu_scale [L, E, K/32, N]``
-    (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`), and so on. The Pallas MoE then sorts rows by
-    expert at every batch size (that kernel has no per-row mode)."""
+    (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`), and so on."""
     for name in ("w1", "w3", "w2"):
         packed = getattr(p, f"{name}_packed", None)
         if packed is None:
@@ -189,12 +188,9 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     return out
 
 
-def _row_path(p: MoEStack, t_rows: int, k: int, impl: str | None) -> bool:
-    """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS; not
-    for experts in the Mosaic-GPU layout, whose kernel takes sorted rows only)."""
-    packed = _packed_experts(p, "w1")
-    return (t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
-            and (packed is None or packed[1] != "mgpu"))
+def _row_path(t_rows: int, k: int, impl: str | None) -> bool:
+    """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS)."""
+    return t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
 
 
 def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str | None) -> bool:
@@ -202,7 +198,7 @@ def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str 
     reading the same input (no latent projection)."""
     return (FUSE_SHARED_EXPERT and cfg.num_shared_experts > 0 and cfg.latent_dim is None
             and _packed_experts(p, "w1") is None and p.shared_gate.shape[-1] == p.w1.shape[-1]
-            and _row_path(p, x.shape[0], cfg.num_experts_per_token, impl))
+            and _row_path(x.shape[0], cfg.num_experts_per_token, impl))
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -220,7 +216,7 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
     dtype = z.dtype
-    if with_shared or _row_path(p, t_rows, k, impl):
+    if with_shared or _row_path(t_rows, k, impl):
         order, xs, rows = None, z, dict(row_experts=flat)  # the kernel reads token t's row for its k pairs
     else:
         order = jnp.argsort(flat, stable=True)

@@ -121,21 +121,30 @@ def _transforms(minor: int, bits: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "block_m", "stages", "wgs", "interpret"))
-def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]], group_sizes: jax.Array,
-                              expert_offset: jax.Array | int = 0, *, block_k: int | None = None, block_m: int = 16,
+def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
+                              group_sizes: jax.Array | None = None, expert_offset: jax.Array | int = 0, *,
+                              row_experts: jax.Array | None = None, block_k: int | None = None, block_m: int = 16,
                               stages: int = 4, wgs: int = 1, interpret: bool | None = None) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert times each of ``matrices``, ``(packed [E', K/64, N_i, 32], scales
     [E', K/32, N_i])`` from :func:`prepare_weights`, side by side -> ``[M, sum N_i]`` in ``x.dtype`` (fp32
     accumulation; rows at or past ``sum(group_sizes)`` are zero), as
     :func:`pallas_kernels.mxfp4.mxfp4_grouped_matmul_concat` on the checkpoint bytes. Group ``e`` of
     ``group_sizes [E]`` uses weight row ``expert_offset + e`` (traced; e.g. layer j of ``[L*E, ...]`` stacks).
+    Instead of ``group_sizes``, ``row_experts [M']`` (ids in ``[0, E')`` after the offset) may name the expert of
+    every output row, rows in any order, output row m from ``x[m // (M' / M)]`` (a decode step's (token, choice)
+    pairs without a sort): every row is then its own tile (use ``block_m=8``), and an expert named by several rows
+    is streamed once per row.
     ``block_k``: K columns per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
     that divides K); ``block_m``: rows per tile, the wgmma's N (one of ``BLOCK_MS``: 8 or 16 at decode, where most
     experts get one or two rows; 128 or 256 at prefill, where the decode of a weight tile is shared by that many
     rows); ``stages``: shared-memory stages in flight; ``wgs``: compute warpgroups per CTA, each 64 output columns
-    (1 or 2; 2 halves how often a row tile is streamed, for prefill, and needs every ``N_i`` a multiple of 128). ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+    (1 or 2; 2 halves how often a row tile is streamed, for prefill, and needs every ``N_i`` a multiple of 128).
+    ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     num_rows, dim_k = x.shape
-    num_experts = group_sizes.shape[0]
+    if (group_sizes is None) == (row_experts is None) or (row_experts is not None
+                                                           and row_experts.shape[0] % num_rows):
+        raise ValueError("pass exactly one of group_sizes and row_experts (whose length a multiple of x's rows)")
+    num_experts = 1 if group_sizes is None else group_sizes.shape[0]
     widths = []
     for packed, scales in matrices:
         weight_rows, groups, dim_n, group_bytes = packed.shape if packed.ndim == 4 else (0, 0, 0, 0)
@@ -150,14 +159,24 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     if block_k % GROUP or dim_k % block_k or block_m not in BLOCK_MS:
         raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; block_m={block_m} one "
                          f"of {BLOCK_MS}")
-    schedule = make_tile_schedule(group_sizes, num_rows, block_m)  # [3, T]: expert, first row, end row
-    real = (schedule[0] >= 0) & (schedule[0] < num_experts)
-    weight_row = jnp.where(real, schedule[0] + jnp.asarray(expert_offset, jnp.int32), -1)
-    rows = schedule[1][:, None] + jnp.arange(block_m)[None, :]  # [T, BM]
-    x_tiles = x.astype(jnp.bfloat16)[jnp.minimum(rows, num_rows - 1)]  # [T, BM, K]
+    offset = jnp.asarray(expert_offset, jnp.int32)
+    in_tile = jnp.arange(block_m)[None, :]
+    if row_experts is None:
+        schedule = make_tile_schedule(group_sizes, num_rows, block_m)  # [3, T]: expert, first row, end row
+        real = (schedule[0] >= 0) & (schedule[0] < num_experts)
+        weight_row = jnp.where(real, schedule[0] + offset, -1)
+        source = schedule[1][:, None] + in_tile  # [T, BM]: x row of every tile row
+        valid = (source < schedule[2][:, None]) & real[:, None]
+        num_out, out_rows = num_rows, source
+    else:  # every output row its own tile: row 0 holds it, the other rows repeat it and are dropped
+        num_out = row_experts.shape[0]
+        weight_row = row_experts.astype(jnp.int32) + offset
+        out_rows = jnp.arange(num_out)[:, None] + 0 * in_tile
+        source, valid = out_rows // (num_out // num_rows), in_tile == 0
+    x_tiles = x.astype(jnp.bfloat16)[jnp.minimum(source, num_rows - 1)]  # [T, BM, K]
     x_tiles = jnp.transpose(x_tiles.reshape(-1, block_m, dim_k // MX_BLOCK, MX_BLOCK), (0, 2, 1, 3))
     interpret = not on_gpu() if interpret is None else interpret
-    num_tiles, dim_n = schedule.shape[1], sum(widths)
+    num_tiles, dim_n = weight_row.shape[0], sum(widths)
     kernel = functools.partial(_kernel, part_tiles=tuple(n // (wgs * ROWS_N) for n in widths),
                                num_weight_rows=matrices[0][0].shape[0], block_k=block_k, stages=stages, wgs=wgs,
                                interpret=interpret)
@@ -171,7 +190,6 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
         scratch_types=dec_smem,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(weight_row, x_tiles, *(a for m in matrices for a in m))
-    valid = (rows < schedule[2][:, None]) & real[:, None]
-    target = jnp.where(valid, rows, num_rows).reshape(-1)  # invalid rows go past the end and are dropped
-    return jnp.zeros((num_rows, dim_n), x.dtype).at[target].set(
+    target = jnp.where(valid, out_rows, num_out).reshape(-1)  # invalid rows go past the end and are dropped
+    return jnp.zeros((num_out, dim_n), x.dtype).at[target].set(
         jnp.transpose(tiles_out, (0, 2, 1)).reshape(-1, dim_n), mode="drop")

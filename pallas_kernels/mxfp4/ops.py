@@ -92,7 +92,7 @@ BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs", "mgpu": "mgpu"}
 """Byte order of packed MXFP4 weights -> the grouped kernel's ``weight_format``: the compressed-tensors order,
 the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`, or the Mosaic-GPU decode kernel's layout
 (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`: ``packed [E, K/64, N, 32]``, ``scales [E, K/32,
-N]``; rows sorted by expert only)."""
+N]``)."""
 
 
 def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
@@ -107,21 +107,22 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     rows; for a few decode rows, see :func:`grouped_matmul_concat`).
 
     ``byte_order``: ``"checkpoint"``, or ``"pairs"`` for ``packed`` in the pair-halves order (K a multiple of
-    64; the kernel's ``"mxfp4_pairs"`` format), or ``"mgpu"`` for the Mosaic-GPU decode kernel's layout (with
-    ``group_sizes``; see ``BYTE_ORDERS``)."""
+    64; the kernel's ``"mxfp4_pairs"`` format), or ``"mgpu"`` for the Mosaic-GPU kernel's layout (see
+    ``BYTE_ORDERS``)."""
     if byte_order not in BYTE_ORDERS:
         raise ValueError(f"byte_order must be one of {sorted(BYTE_ORDERS)}, got {byte_order!r}")
     groups, per_row = _groups(group_sizes, row_experts, x)
     if byte_order == "mgpu":
-        if per_row:
-            raise ValueError("byte_order='mgpu' takes rows sorted by expert (group_sizes), not row_experts")
         if resolve_impl(impl) == "reference":
             matrices = [restore_weights(p, s) for p, s in matrices]
             byte_order = "checkpoint"
         else:
             flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
+            flat = tuple(zip(flat[0::2], flat[1::2]))
+            if per_row:  # every (token, expert) row its own 8-row tile
+                return mxfp4_grouped_matmul_mgpu(x, flat, None, offset, row_experts=groups, block_m=8)
             cfg = mgpu_tile_config(x.shape[0], groups.shape[0], tuple(s.shape[-1] for _, s in matrices))
-            return mxfp4_grouped_matmul_mgpu(x, tuple(zip(flat[0::2], flat[1::2])), groups, offset, **cfg)
+            return mxfp4_grouped_matmul_mgpu(x, flat, groups, offset, **cfg)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
         unpair = from_pair_halves if byte_order == "pairs" else (lambda a: a)

@@ -58,6 +58,25 @@ def test_two_matrices_of_a_layer_stack_in_one_launch():
     assert not got[12:].any()
 
 
+def test_per_row_experts_in_any_order():
+    """``row_experts``: 3 tokens x 3 choices, each output row its own 8-row tile, experts repeated and unsorted,
+    layer 1 of a stack by the offset; as the row-by-row product."""
+    from pallas_kernels.mxfp4.reference import mxfp4_matmul_reference
+
+    x, packed, scales, _ = random_problem(75, [1, 1, 1], 3, n=64, k=128)
+    stack = [prepare_weights(jnp.concatenate([packed, packed]), jnp.concatenate([jnp.full_like(scales, 255), scales]))]
+    row_experts = jnp.asarray([2, 0, 2, 1, 1, 0, 0, 2, 1], jnp.int32)
+    got = mxfp4_grouped_matmul_mgpu(x, stack, None, 3, row_experts=row_experts, block_m=8, block_k=64, stages=2)
+    want = np.concatenate([np.asarray(mxfp4_matmul_reference(x[m // 3:m // 3 + 1], packed[e], scales[e]), np.float32)
+                           for m, e in enumerate(np.asarray(row_experts))])
+    assert got.shape == (9, 64)
+    assert_rows_close(got, want)
+    with pytest.raises(ValueError, match="exactly one"):
+        mxfp4_grouped_matmul_mgpu(x, stack, None)
+    with pytest.raises(ValueError, match="exactly one"):
+        mxfp4_grouped_matmul_mgpu(x, stack, None, row_experts=row_experts[:8])  # not a multiple of x's 3 rows
+
+
 def test_prepared_layout_and_bad_arguments():
     """prepare_weights: byte group g of row n holds columns 64g + j (low nibble) and 64g + 32 + j (high nibble),
     restore_weights gives the checkpoint bytes back; wrong layouts and block sizes are clear errors."""
@@ -104,3 +123,13 @@ def test_tile_config_by_rows_per_expert():
     assert mgpu_tile_config(256, 56, (3072, 3072)) == dict(block_m=16, wgs=1)  # K3 decode, 256 tokens: 4.6 per expert
     assert mgpu_tile_config(8222, 56, (3072, 3072)) == dict(block_m=128, wgs=2)  # 8K-token prefill
     assert mgpu_tile_config(8222, 56, (3072, 64)) == dict(block_m=128, wgs=1)  # a width that 128 does not divide
+
+
+def test_per_row_kernel_lowers_for_cuda():
+    """K3's batch-1 decode as the MoE runs it: 16 (token, expert) rows, each its own 8-row tile, layer 2 of a
+    stack of 3 x 56 experts."""
+    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_m=8, interpret=False)
+    gate_up = [(S((168, 56, 3072, 32), jnp.uint8), S((168, 112, 3072), jnp.uint8))] * 2
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(
+        S((1, 3584), jnp.bfloat16), gate_up, None, S((), jnp.int32), row_experts=S((16,), jnp.int32)).mlir_module()
+    assert "mosaic_gpu" in module
