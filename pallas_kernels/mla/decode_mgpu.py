@@ -96,13 +96,21 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
                 plgpu.commit_smem()
                 probabilities = p_smem[0].at[wg]
 
-            def value_product(c):  # P @ V for this warpgroup's columns [wg * 256 + c * chunk, + chunk)
-                def product(acc_ref):
-                    plgpu.wgmma(acc_ref, probabilities, k_smem.at[:, pl.ds(wg * half + c * chunk, chunk)])
-                    return acc_ref[...]
-                return pl.run_scoped(product, plgpu.ACC((ROWS, chunk), jnp.float32))
+            def values(c):  # V for this warpgroup's columns [wg * 256 + c * chunk, + chunk)
+                return k_smem.at[:, pl.ds(wg * half + c * chunk, chunk)]
 
-            accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) + value_product(c) for c, a in enumerate(accs)]
+            accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs]
+            if p_smem:  # the interpreter has no accumulator initialised from registers: a product per chunk, added
+                def product(c, acc_ref):
+                    plgpu.wgmma(acc_ref, probabilities, values(c))
+                    return acc_ref[...]
+                accs = [a + pl.run_scoped(functools.partial(product, c), plgpu.ACC((ROWS, chunk), jnp.float32))
+                        for c, a in enumerate(accs)]
+            else:  # every chunk's P V accumulates in place, issued back to back, one wait for all
+                def products(acc_refs):
+                    for c, acc_ref in enumerate(acc_refs):
+                        plgpu.wgmma(acc_ref, probabilities, values(c))
+                accs = list(pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs)))
             return (*accs, m_new, l)
 
         return lax.cond(start < context, attend, lambda carry: carry, carry)
