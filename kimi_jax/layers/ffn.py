@@ -108,31 +108,34 @@ class MoEStack(nnx.Module):
             self.shared_down = fan_in_normal(rngs, (n, fs, d), dtype)
 
 
+def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
+    """Replace each checkpoint-order MXFP4 expert weight ``{w}_packed`` / ``{w}_scale`` by the parameters
+    ``{w}_{suffix}`` of ``convert(packed, scale) -> {suffix: array}``."""
+    for name in ("w1", "w3", "w2"):
+        packed = getattr(p, f"{name}_packed", None)
+        if packed is None:
+            raise ValueError(f"{caller} needs MXFP4 experts in the checkpoint order; no {name}_packed")
+        new = convert(packed[...], getattr(p, f"{name}_scale")[...])
+        delattr(p, f"{name}_packed")
+        delattr(p, f"{name}_scale")
+        for suffix, value in new.items():
+            setattr(p, f"{name}_{suffix}", nnx.Param(value))
+
+
 def use_pair_halves(p: MoEStack) -> None:
     """Re-order an MXFP4 stack's packed expert bytes into the pair-halves order, in place: ``w1_packed`` becomes
     ``w1_pairs`` (same shape; :func:`kimi_jax.quant.mxfp4.to_pair_halves`), and so on. The checkpoint names are
     gone afterwards, so a converted model cannot be written out as if it held checkpoint bytes."""
-    for name in ("w1", "w3", "w2"):
-        packed = getattr(p, f"{name}_packed", None)
-        if packed is None:
-            raise ValueError(f"use_pair_halves needs MXFP4 experts in the checkpoint order; no {name}_packed")
-        setattr(p, f"{name}_pairs", nnx.Param(mxfp4.to_pair_halves(packed[...])))
-        delattr(p, f"{name}_packed")
+    _relayout_experts(p, "use_pair_halves", lambda packed, scale: {"pairs": mxfp4.to_pair_halves(packed),
+                                                                    "scale": scale})
 
 
 def use_mgpu_layout(p: MoEStack) -> None:
     """Re-lay an MXFP4 stack's experts for the Mosaic-GPU decode kernel, in place: ``w1_packed`` / ``w1_scale``
     become ``w1_mgpu [L, E, K/64, N, 32]`` / ``w1_mgpu_scale [L, E, K/32, N]``
     (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`), and so on."""
-    for name in ("w1", "w3", "w2"):
-        packed = getattr(p, f"{name}_packed", None)
-        if packed is None:
-            raise ValueError(f"use_mgpu_layout needs MXFP4 experts in the checkpoint order; no {name}_packed")
-        w, scale = prepare_mxfp4_mgpu(packed[...], getattr(p, f"{name}_scale")[...])
-        setattr(p, f"{name}_mgpu", nnx.Param(w))
-        setattr(p, f"{name}_mgpu_scale", nnx.Param(scale))
-        delattr(p, f"{name}_packed")
-        delattr(p, f"{name}_scale")
+    _relayout_experts(p, "use_mgpu_layout", lambda packed, scale: dict(zip(("mgpu", "mgpu_scale"),
+                                                                          prepare_mxfp4_mgpu(packed, scale))))
 
 
 _BYTE_ORDERS = (("packed", "checkpoint", "scale"), ("pairs", "pairs", "scale"), ("mgpu", "mgpu", "mgpu_scale"))
@@ -221,10 +224,10 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     else:
         order = jnp.argsort(flat, stable=True)
         xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))
-    shared = dict(shared=("shared_gate", "shared_up")) if with_shared else {}
-    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows, **shared)
-    shared = dict(shared=("shared_down",)) if with_shared else {}
-    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows, **shared)
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows,
+                              shared=("shared_gate", "shared_up") if with_shared else ())
+    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows,
+                           shared=("shared_down",) if with_shared else ())
     y = ys if order is None else jnp.zeros_like(ys).at[order].set(ys)  # back to (token, choice) order
     return jnp.einsum("tkd,tk->td", y.reshape(t_rows, k, -1), weights).astype(dtype)
 

@@ -136,14 +136,14 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                     x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
                                       mask=x_mask[:, None], other=0.0)
                     scale_codes = scales_ref[expert, cols, block]  # [bn] uint8
-                    if block_m >= SCALE_WEIGHTS_FROM_ROWS:
+                    scale_weights = block_m >= SCALE_WEIGHTS_FROM_ROWS
+                    if scale_weights:
                         w = w * e8m0_to_bf16(scale_codes)[:, None]
-                        product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
-                            x, w.T, preferred_element_type=jnp.float32)
-                    else:
+                    product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
+                        x, w.T, preferred_element_type=jnp.float32)
+                    if not scale_weights:
                         scale = e8m0_to_float32(scale_codes)
-                        product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) * scale[:, None] \
-                            if weights_lhs else jnp.dot(x, w.T, preferred_element_type=jnp.float32) * scale[None, :]
+                        product = product * (scale[:, None] if weights_lhs else scale[None, :])
                     acc = acc + product
             return acc
 
