@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.impl import on_gpu
+from pallas_kernels.mgpu_smem import wgmma_operand_transforms
 from pallas_kernels.mla.reference import NO_KEY_LSE, merge_partials
 
 ROWS = 64  # query rows per CTA: one warpgroup's wgmma M
@@ -137,14 +138,9 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
 
     plgpu.emit_pipeline_warp_specialized(
         step_body, grid=(tiles_per_split,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((None, None, BLOCK_KV, WIDTH), page_block, transforms=_transforms(WIDTH))],
+        in_specs=[plgpu.BlockSpec((None, None, BLOCK_KV, WIDTH), page_block,
+                                  transforms=wgmma_operand_transforms(WIDTH))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)(pages_gmem)
-
-
-def _transforms(minor: int):
-    """Shared-memory tiling + swizzle for a bf16 wgmma operand whose minor dimension holds ``minor`` elements."""
-    swizzle = plgpu.find_swizzle(minor * 16, "operand")
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
 def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
@@ -191,14 +187,15 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
                                tiles_per_split=tiles_per_split, chunk=chunk, stages=stages, q_len=q_len,
                                num_heads=num_heads)
     interpret = not on_gpu() if interpret is None else interpret
-    p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=_transforms(BLOCK_KV))] if interpret else []
+    p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=wgmma_operand_transforms(BLOCK_KV))
+              ] if interpret else []
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, rows, RANK), jnp.float32),
                   jax.ShapeDtypeStruct((splits, num_seqs, rows), jnp.float32)),
         grid=(num_seqs, head_blocks, splits), grid_names=("seq", "hb", "split"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=_transforms(WIDTH)),
+        scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=wgmma_operand_transforms(WIDTH)),
                        plgpu.Barrier(num_barriers=1), *p_smem],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_rows, pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))

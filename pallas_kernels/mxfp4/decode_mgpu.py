@@ -40,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kimi_jax.quant.mxfp4 import from_pair_halves, to_pair_halves
 from pallas_kernels.impl import on_gpu
+from pallas_kernels.mgpu_smem import wgmma_operand_transforms
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
@@ -101,10 +102,10 @@ def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, sta
             num_compute_wgs=wgs, max_concurrent_steps=stages, compute_context=compute,
             in_specs=[
                 plgpu.BlockSpec((None, block_k // GROUP, wgs * ROWS_N, MX_BLOCK),
-                                lambda k: (expert, k, local_tile, 0), transforms=_transforms(MX_BLOCK, 8)),
+                                lambda k: (expert, k, local_tile, 0), transforms=wgmma_operand_transforms(MX_BLOCK, 8)),
                 plgpu.BlockSpec((None, block_k // MX_BLOCK, wgs * ROWS_N), lambda k: (expert, k, local_tile)),
                 plgpu.BlockSpec((None, block_k // MX_BLOCK, x_gmem.shape[2], MX_BLOCK), lambda k: (tile, k, 0, 0),
-                                transforms=_transforms(MX_BLOCK, 16)),
+                                transforms=wgmma_operand_transforms(MX_BLOCK, 16)),
             ])(packed_gmem, scales_gmem, x_gmem)
 
     first = 0
@@ -112,12 +113,6 @@ def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, sta
         pl.when((row >= 0) & (n_tile >= first) & (n_tile < first + tiles))(
             functools.partial(pipeline, *w_refs[2 * part:2 * part + 2], first))
         first += tiles
-
-
-def _transforms(minor: int, bits: int):
-    """Shared-memory tiling + swizzle for a wgmma operand whose minor dimension holds ``minor`` elements."""
-    swizzle = plgpu.find_swizzle(minor * bits, "operand")
-    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "block_m", "stages", "wgs", "interpret"))
@@ -180,7 +175,7 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     kernel = functools.partial(_kernel, part_tiles=tuple(n // (wgs * ROWS_N) for n in widths),
                                num_weight_rows=matrices[0][0].shape[0], block_k=block_k, stages=stages, wgs=wgs,
                                interpret=interpret)
-    dec_smem = [plgpu.SMEM((wgs, ROWS_N, MX_BLOCK), jnp.bfloat16, transforms=_transforms(MX_BLOCK, 16))
+    dec_smem = [plgpu.SMEM((wgs, ROWS_N, MX_BLOCK), jnp.bfloat16, transforms=wgmma_operand_transforms(MX_BLOCK, 16))
                 ] if interpret else []
     tiles_out = plgpu.kernel(
         kernel,

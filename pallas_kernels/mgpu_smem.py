@@ -1,0 +1,12 @@
+"""Shared-memory layout helper for the Mosaic-GPU (Hopper warpgroup) kernels."""
+
+from __future__ import annotations
+
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def wgmma_operand_transforms(minor: int, bits: int = 16):
+    """Shared-memory tiling + swizzle for a ``wgmma`` operand (or a tile loaded into one) whose minor dimension
+    holds ``minor`` elements of ``bits`` bits."""
+    swizzle = plgpu.find_swizzle(minor * bits, "operand")
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
