@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import time
+import zlib
 
 import numpy as np
 
@@ -66,6 +67,16 @@ def time_to_first_token(runner, cfg, args, rng) -> dict:
                 prefill_tokens_per_s=n / seconds[1])
 
 
+def _option_value(text: str) -> bool | int | str:
+    """An ``--xla-option`` value as XLA's option parser wants it: true/false, an integer, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="kimi-linear-48b")
@@ -102,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="write jax.profiler traces of a few decode steps per batch under --out: the step "
                              "relaunched (trace_bN) and the engine loop (trace_engine_bN); and the step's "
                              "optimised HLO (step_hlo_bN.txt)")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="add an XLA compile option to the engine's GPU executables (serve.engine.runner."
+                             "GPU_COMPILER_OPTIONS), e.g. xla_gpu_enable_pdl=true; repeatable")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
@@ -115,8 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     from pallas_kernels import kda as kda_ops
     from serve.engine.config import EngineConfig
     from serve.engine.engine import LLMEngine
+    from serve.engine import runner as runner_module
     from serve.engine.runner import ModelRunner
     from serve.engine.sampling_params import SamplingParams
+
+    for option in args.xla_option:
+        name, _, value = option.partition("=")
+        runner_module.GPU_COMPILER_OPTIONS = {**runner_module.GPU_COMPILER_OPTIONS, name: _option_value(value)}
 
     if args.kda_split_v >= 0:
         kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
@@ -183,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             timings.append(engine.last_timing)
             calls.append(runner.last_call_seconds)
         wall = (time.perf_counter() - t0) / args.decode_steps
+        digest = zlib.crc32(np.asarray([t for r in requests for t in r.output_token_ids], np.int64).tobytes())
         device = runner.time_step(args.decode_steps)
         if args.profile:  # the step relaunched back to back, then the engine's own loop
             with jax.profiler.trace(os.path.join(args.out, f"trace_b{batch}"), create_perfetto_trace=True):
@@ -204,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                          executable_call_ms=float(np.mean(calls)) * 1e3, host_overlapped_ms=overlapped * 1e3,
                          ahead_fraction=ahead, greedy_variant_launches=greedy_launches,
                          host_overhead=max(0.0, wall - device) / wall, roofline_ms=roof * 1e3,
-                         roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall))
+                         roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall,
+                         output_tokens_crc32=digest))
         print(json.dumps(rows[-1]), flush=True)
         for r in requests:
             engine.abort_request(r.request_id)
@@ -218,12 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(dict(ttft=ttft)), flush=True)
 
     print("\n| batch | decode tok/s | step ms | device ms | host serial ms | host overlapped ms | host overhead "
-          "| roofline ms | % of roofline |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| roofline ms | % of roofline | output crc32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | "
               f"{r['host_serial_ms']:.2f} | {r['host_overlapped_ms']:.2f} | {r['host_overhead']:.1%} | "
-              f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} |")
+              f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} | {r['output_tokens_crc32']:08x} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
         json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows, ttft=ttft,

@@ -1,0 +1,131 @@
+"""Cost of dependent launches under XLA options (benchmark): does programmatic dependent launch (PDL) shorten a
+chain of our decode-sized kernels?
+
+A decode step at batch 1 is a chain of ~25 dependent small kernels per layer, each paying a launch ramp (BENCHMARKS.md,
+session 10: "each launch's fixed ramp ... which only fewer launches on the critical path can remove"). XLA 0.11 can
+launch a kernel before its predecessor finishes (``xla_gpu_enable_pdl``; the kernel's ``griddepcontrol.wait`` holds
+its reads) and let a predecessor release its successors early (``xla_gpu_enable_pdl_launch``). This times, per
+option set, one jitted chain of ``--links`` x (one-row GEMV ``D -> D`` on a layer stack through our grouped kernel,
+then our residual add + RMSNorm), and the same chain in plain XLA, checks that every option set gives bit-identical
+results, and counts the PDL instructions in the PTX XLA emitted (``xla_dump_to``).
+
+    PYTHONPATH=. python3 pallas_kernels/launch_bench.py --links 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_jax.layers.common import stacked_linear
+from pallas_kernels.rmsnorm import add_rms_norm
+
+OPTION_SETS = {
+    "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+    "concurrent+pdl_off": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": False},
+    "concurrent+pdl": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": True},
+    "concurrent+pdl+launch": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": True,
+                              "xla_gpu_enable_pdl_launch": True},
+    "pdl+launch (no command buffer)": {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True,
+                                       "xla_gpu_enable_command_buffer": ""},
+}
+
+
+def pallas_chain(h: jax.Array, w: jax.Array, norm: jax.Array, links: int) -> jax.Array:
+    """h [1, D]; w [L, D, D] bf16; norm [L, D] -> h after ``links`` (GEMV, add + RMSNorm) pairs."""
+    x = h
+    for i in range(links):
+        y = stacked_linear(x, w, i % w.shape[0], impl="pallas")
+        h, x = add_rms_norm(h, y, norm, eps=1e-6, layer=i % w.shape[0], impl="pallas")
+    return h
+
+
+def xla_chain(h: jax.Array, w: jax.Array, norm: jax.Array, links: int) -> jax.Array:
+    """The same chain with XLA's dot and fusions."""
+    x = h
+    for i in range(links):
+        j = i % w.shape[0]
+        y = jnp.dot(x, w[j], preferred_element_type=jnp.float32).astype(h.dtype)
+        h, x = add_rms_norm(h, y, norm, eps=1e-6, layer=j, impl="reference")
+    return h
+
+
+def ptx_counts(folder: str) -> dict[str, int]:
+    """Occurrences of the PDL instructions in the PTX files XLA dumped under ``folder``."""
+    text = "".join(open(p, errors="replace").read() for p in glob.glob(os.path.join(folder, "**", "*.ptx"),
+                                                                         recursive=True))
+    return {"ptx_files": len(glob.glob(os.path.join(folder, "**", "*.ptx"), recursive=True)),
+            "griddepcontrol.wait": text.count("griddepcontrol.wait"),
+            "griddepcontrol.launch_dependents": text.count("griddepcontrol.launch_dependents")}
+
+
+def time_calls(fn, args, calls: int = 30) -> float:
+    """Seconds per call of ``calls`` back-to-back calls (device-bound when one call outlasts its dispatch);
+    median of 5 rounds."""
+    jax.block_until_ready(fn(*args))
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        rounds.append((time.perf_counter() - t0) / calls)
+    return float(np.median(rounds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--links", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=2304)
+    parser.add_argument("--stack", type=int, default=8, help="distinct weight matrices cycled through")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    key = jax.random.PRNGKey(0)
+    kw, kh, kn = jax.random.split(key, 3)
+    w = (jax.random.normal(kw, (args.stack, args.dim, args.dim), jnp.float32) * args.dim ** -0.5).astype(jnp.bfloat16)
+    h = jax.random.normal(kh, (1, args.dim), jnp.float32).astype(jnp.bfloat16)
+    norm = (1.0 + 0.1 * jax.random.normal(kn, (args.stack, args.dim), jnp.float32))
+    rows, reference = [], {}
+    for chain_name, chain in (("pallas", pallas_chain), ("xla", xla_chain)):
+        lowered = jax.jit(lambda h, w, n: chain(h, w, n, args.links)).lower(h, w, norm)
+        for name, options in OPTION_SETS.items():
+            dump = tempfile.mkdtemp(prefix="pdl_dump_")
+            try:
+                compiled = lowered.compile({**options, "xla_dump_to": dump})
+            except Exception as e:  # an option this XLA rejects: say so, keep going
+                rows.append(dict(chain=chain_name, options=name, error=str(e)[:200]))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            out = np.asarray(compiled(h, w, norm).astype(jnp.float32))
+            reference.setdefault(chain_name, out)
+            seconds = time_calls(compiled, (h, w, norm))
+            rows.append(dict(chain=chain_name, options=name, us_per_call=seconds * 1e6,
+                             us_per_link=seconds * 1e6 / args.links,
+                             identical=bool(np.array_equal(out, reference[chain_name])), **ptx_counts(dump)))
+            print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "launch_bench.json"), "w") as f:
+        json.dump(dict(args=vars(args), device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+    print(f"\n{args.links} links of (1 x {args.dim} GEMV, add + RMSNorm); bytes per GEMV "
+          f"{args.dim * args.dim * 2 / 1e6:.1f} MB")
+    print("| chain | options | us per call | us per link | identical | PTX wait / launch_dependents |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['chain']} | {r['options']} | error: {r['error'][:60]} | | | |")
+        else:
+            print(f"| {r['chain']} | {r['options']} | {r['us_per_call']:.1f} | {r['us_per_link']:.2f} | "
+                  f"{r['identical']} | {r['griddepcontrol.wait']} / {r['griddepcontrol.launch_dependents']} |")
+
+
+if __name__ == "__main__":
+    main()
