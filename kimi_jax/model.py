@@ -89,11 +89,12 @@ class _Mixer:
 
 
 def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None,
-            mla_form: str = "absorbed") -> tuple[jax.Array, HybridCache]:
+            mla_form: str = "absorbed", finite_pages: bool = True) -> tuple[jax.Array, HybridCache]:
     """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache).
 
     ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
-    ("absorbed" or "unabsorbed", the same function; see kimi_jax.layers.mla)."""
+    ("absorbed" or "unabsorbed", the same function; see kimi_jax.layers.mla); ``finite_pages``: the MLA pool
+    holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode; see ``mla_layer``)."""
     cfg = model.config
     layout = token_layout(step)
     x = model.embed[step.token_ids]
@@ -109,7 +110,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             out, state, conv = kda_layer(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
             return out
         out, pages, scales = mla_layer(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
-                                       form=mla_form)
+                                       form=mla_form, finite_pages=finite_pages)
         return out
 
     def ffn(i: int, h: jax.Array) -> jax.Array | PartialSum:

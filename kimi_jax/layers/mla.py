@@ -46,15 +46,17 @@ class MLAStack(nnx.Module):
 
 
 def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
-              layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None,
-              form: str = "absorbed") -> tuple[jax.Array | PartialSum, jax.Array, jax.Array | None]:
+              layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None, form: str = "absorbed",
+              finite_pages: bool = True) -> tuple[jax.Array | PartialSum, jax.Array, jax.Array | None]:
     """MLA layer ``j`` on a packed step.
 
     x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written);
     scales [L_mla, num_blocks, block_size] f32 for an e4m3 ``pages`` (per-token quantisation), else None
     -> (out [T, D] or a :class:`PartialSum` of o_proj's split-K parts, pages, scales). ``form``: "absorbed"
     (queries move to the latent space; decode) or "unabsorbed" (the cached latents of each sequence are gathered
-    and up-projected to per-head keys/values; prefill)."""
+    and up-projected to per-head keys/values; prefill). ``finite_pages``: every page row holds a finite value
+    (False under the engine's NaN test mode); with it, decode-only steps may take the Mosaic-GPU attention kernel
+    (``mla_paged_attention``'s ``decode_q_len``)."""
     t_rows = x.shape[0]
     h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -87,6 +89,7 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
         q_abs = mla_ops.absorb_queries(q, p.kv_b[...], layer=j, k_nope=kn, impl=impl)
         o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, step.block_tables, total, step.cu_seqlens,
                                                scale=scale, kv_lora_rank=r, page_scales=scales, layer=j,
+                                               decode_q_len=1 if step.decode_only and finite_pages else None,
                                                impl=impl)
         attn = mla_ops.absorb_outputs(o_lat, p.kv_b[...], layer=j, v_dim=vd, impl=impl).reshape(t_rows, h * vd)
     else:

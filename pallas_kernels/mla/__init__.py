@@ -2,7 +2,8 @@
 
 * :func:`mla_paged_attention` (absorbed / MQA form): decode, speculative verification, chunked prefill and mixes
   in one call, straight from the paged cache; returns ``(o_lat, lse)`` so partials can be LSE-merged
-  (:func:`merge_partials`).
+  (:func:`merge_partials`). Long-context decode over 64-token bf16 pages takes the Mosaic-GPU kernel
+  (:mod:`pallas_kernels.mla.decode_mgpu`) when the caller says every sequence has the same query tokens.
 * :func:`mla_prefill_attention` (un-absorbed / MHA form): the caller gathers the context latent
   (:func:`gather_latent`), up-projects it with ``kv_b_proj`` and passes per-head ``k_nope``/``v``; 3.4x fewer
   attention FLOPs per (query, key, head) than the absorbed form (320 vs 1088), for long prefill chunks.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.impl import resolve_impl
+from pallas_kernels.impl import on_gpu, resolve_impl
 from pallas_kernels.mla.reference import (
     NO_KEY_LSE,
     absorb_outputs_reference,
@@ -92,6 +93,28 @@ def write_latent_cache_fp8(pages, page_scales, latent, slot_mapping, *, layer=No
     return _write_latent_cache_fp8_reference(pages, page_scales, latent, slot_mapping, layer=layer)
 
 
+MGPU_DECODE: bool | None = None
+"""Whether ``impl="pallas"`` decode calls that qualify (:func:`mgpu_decode_fits`) take the Mosaic-GPU kernel: None =
+on a GPU only (elsewhere it would run in Mosaic-GPU's slow interpreter; tests set True). H200, batch 16-64, 32K-128K
+context, chunk 128 (BENCHMARKS.md, session 13): H=32 186-690 us = 76-82% of the 4.27 TB/s copy rate, 1.5-1.6x the
+Triton kernel; H=96 42-44%, 2.9-3.0x Triton; batch 1 at 128K: 1.5x (H=32) and 2.6x (H=96)."""
+
+
+def mgpu_decode_fits(q, pages, block_tables, *, kv_lora_rank: int, page_scales, q_len: int) -> bool:
+    """The Mosaic-GPU decode kernel applies: bf16 pages of a multiple of 64 tokens (no fp8 scales), the 512 + 64
+    latent width, ``T == N * q_len`` with at most 8 query tokens per sequence, and a batch whose cache capacity
+    (sequences x table width x page size) is past the Triton kernel's short-context tiling, which the Mosaic-GPU
+    kernel has not been measured against."""
+    from pallas_kernels.mla import attention, decode_mgpu
+
+    num_seqs, table_pages = block_tables.shape
+    block_size = pages.shape[-2]
+    return (page_scales is None and pages.dtype == jax.numpy.bfloat16 and block_size % decode_mgpu.BLOCK_KV == 0
+            and q.shape[-1] == decode_mgpu.WIDTH and kv_lora_rank == decode_mgpu.RANK and 1 <= q_len <= 8
+            and q.shape[0] == num_seqs * q_len
+            and num_seqs * table_pages * block_size > attention.SHORT_KV_TOKENS)
+
+
 def mla_paged_attention(
     q,
     pages,
@@ -103,13 +126,26 @@ def mla_paged_attention(
     kv_lora_rank: int,
     page_scales=None,
     layer=None,
+    decode_q_len: int | None = None,
     impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA attention: q [T, H, R+K_rope] -> (o_lat [T, H, R] q.dtype, lse [T, H] f32).
 
     See :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for the exact contract.
+    ``decode_q_len`` (static): row block ``n`` of ``decode_q_len`` rows belongs to sequence ``n`` (``T == N *
+    decode_q_len``; a sequence of the batch's padding has an empty context, and its rows come back as padding
+    rows do), and every page row that a sequence's last page holds past its context is finite: then the Pallas
+    path may take the Mosaic-GPU kernel (see ``MGPU_DECODE``), which gives such rows zero probability instead of
+    not loading them.
     """
     if resolve_impl(impl) == "pallas":
+        use_mgpu = on_gpu() if MGPU_DECODE is None else MGPU_DECODE
+        if use_mgpu and decode_q_len and mgpu_decode_fits(q, pages, block_tables, kv_lora_rank=kv_lora_rank,
+                                                          page_scales=page_scales, q_len=decode_q_len):
+            from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu
+
+            return mla_decode_mgpu(q, pages, block_tables, context_lens, scale=scale, q_len=decode_q_len,
+                                   layer=layer)
         from pallas_kernels.mla.attention import mla_paged_attention_pallas
 
         return mla_paged_attention_pallas(

@@ -25,7 +25,7 @@ from pallas_kernels.mla.reference import NO_KEY_LSE, merge_partials, query_posit
 
 _TARGET_ROWS = 32  # score rows per program (H200 sweep 2026-11-30: 32 rows x 4 warps beat 64 x 8 warps)
 _TARGET_PROGRAMS = 264  # 2 waves of the H200's 132 SMs
-_SHORT_KV_TOKENS = 32768  # decode batches whose whole latent cache (576 x 2 B per token) fits the H200's L2
+SHORT_KV_TOKENS = 32768  # decode batches whose whole latent cache (576 x 2 B per token) fits the H200's L2
 _SHORT_KV_PROGRAMS = 128
 _SHORT_KV_MAX_SPLITS = 32
 
@@ -48,11 +48,11 @@ def choose_tiling(num_tokens: int, num_seqs: int, num_heads: int, max_context: i
     Splits are added until about two waves of programs are in flight, keeping >= 4 key blocks per split.
     H200 decode sweep (batch 16, 32K context): H=12 -> 16 rows, 64 keys, 3 stages; H=32 and H=96 -> 32 rows,
     32 keys, 4 warps.
-    Short decode (one query per sequence, at most ``_SHORT_KV_TOKENS`` cached tokens in the batch): 16 heads per
+    Short decode (one query per sequence, at most ``SHORT_KV_TOKENS`` cached tokens in the batch): 16 heads per
     program and splits of at least 32 keys, up to about 128 programs and 32 splits. H200 probe, H=32 (session 8):
     batch 1 over 560 tokens 20.0 -> 12.2 us (kernel + merge), batch 1 over 4K 22.4 -> 18.2, batch 16 over 560
     24.3 -> 19.7; the keys a second head block reads again come from L2."""
-    if num_tokens == num_seqs and num_seqs * max_context <= _SHORT_KV_TOKENS:
+    if num_tokens == num_seqs and num_seqs * max_context <= SHORT_KV_TOKENS:
         block_h = 16
         programs = num_tokens * -(-num_heads // block_h)
         max_splits = min(_SHORT_KV_MAX_SPLITS, max(1, max_context // 32))

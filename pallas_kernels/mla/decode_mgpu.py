@@ -27,7 +27,8 @@ verification (the same number of query tokens for every sequence, causal among t
 past a sequence's context are skipped (their pages, whatever the block table holds there, are loaded but never used);
 in the last tile the rows past the context are masked out of the softmax, so their values meet a zero
 probability: they must be finite (the engine's pools are zero-initialised and freed pages keep finite latents;
-its NaN-poisoning test mode is for the reference ops). Not the default path until measured on the H200.
+its NaN-poisoning test mode takes the Triton kernel). :func:`pallas_kernels.mla.mla_paged_attention` routes
+qualifying decode calls here on a GPU (``MGPU_DECODE``, ``mgpu_decode_fits``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "splits", "stages", "chunk", "interpret"))
 def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, context_lens: jax.Array, *,
                     scale: float, q_len: int = 1, layer: int | None = None, splits: int | None = None,
-                    stages: int = 2, chunk: int = 64, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                    stages: int = 2, chunk: int = 128, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Decode / verification attention: q ``[N * q_len, H, 576]`` (``q_len`` consecutive query tokens per
     sequence, the last ones of its context, causal among themselves) over ``pages [B, bs, 576]`` bf16 (``[L, B,
     bs, 576]`` with ``layer``), ``block_tables [N, P]``, ``context_lens [N]`` (new tokens included) -> (o_lat
@@ -161,8 +162,8 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
     :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` with ``cu_q_lens = q_len * arange(N +
     1)``. A CTA's 64 rows are ``q_len * H`` (token, head) rows of one sequence. ``splits``: KV splits (default
     :func:`default_splits`); ``stages``: shared-memory stages of the cache stream; ``chunk``: accumulator
-    columns per ``P V`` product (64 or 128). ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is
-    present)."""
+    columns per ``P V`` product (64 or 128; 128 was 1-15% faster at all 8 shapes timed on the H200, session 13).
+    ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     if layer is None:
         pages, layer = pages[None], 0
     num_tokens, num_heads, width = q.shape

@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per MLA page; multiples of 64 let long decode steps take the Mosaic-GPU MLA kernel")
     parser.add_argument("--memory-gib", type=float, default=4.0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="> 0: sample (top_p 0.9), which takes the general step variant with the sampler's sort")
@@ -163,14 +165,15 @@ def main(argv: list[str] | None = None) -> None:
         use_mgpu_layout(model.moe)
     max_batch = max(args.batches)
     decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2
-    max_model_len = args.prompt_len + decode_tokens + 16
+    max_model_len = args.prompt_len + decode_tokens + args.block_size
 
     def make_runner(max_len: int, seqs: tuple[int, ...]) -> ModelRunner:
         """One page bucket (the longest request's pages), token bucket ``--prefill-chunk``, the given N buckets."""
+        bs = args.block_size
         return ModelRunner(model, EngineConfig(
             max_model_len=max_len, max_num_seqs=max(seqs), max_num_batched_tokens=args.prefill_chunk,
-            block_size=16, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
-            page_buckets=(-(-max_len // 16),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
+            block_size=bs, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
+            page_buckets=(-(-max_len // bs),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
             compile_threads=8), impl=args.impl)
 
     runner = make_runner(max_model_len, tuple(args.batches))
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ttft = None
     if args.ttft_prompt_len:
-        ttft_runner = make_runner(args.ttft_prompt_len + 16, (1,))
+        ttft_runner = make_runner(args.ttft_prompt_len + args.block_size, (1,))
         ttft = time_to_first_token(ttft_runner, cfg, args, rng)
         print(json.dumps(dict(ttft=ttft)), flush=True)
 

@@ -89,8 +89,8 @@ def _param_path(path: tuple) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value")
 
 
-def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool, params, cache,
-              words, optional, prev_tokens):
+def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool,
+              finite_pages: bool, params, cache, words, optional, prev_tokens):
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
     prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
@@ -102,13 +102,16 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     the sampler and takes top logprobs. Neither uses ``lax.cond``: XLA:GPU runs a conditional whose branches it
     cannot put in a CUDA graph (the sampler's sort) by reading the predicate on the host, so the launch returned
     only once the device had finished the forward (measured: 9.6 ms of a 10 ms step), which defeats
-    asynchronous scheduling."""
+    asynchronous scheduling.
+
+    ``finite_pages`` (static): False in test mode, whose NaN-poisoned free pages rule out the Mosaic-GPU MLA
+    decode kernel (``kimi_jax.model.forward``)."""
     batch = join(unpack(words, layout), optional)
     ids = batch.step.token_ids
     pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
     step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, cache = forward(model, cache, step, impl=impl)
+    hidden, cache = forward(model, cache, step, impl=impl, finite_pages=finite_pages)
     logits = compute_logits(model, hidden)  # [N, vocab] f32
     rows = logits.shape[0]
     if greedy_only:
@@ -291,7 +294,7 @@ class ModelRunner:
             words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
                 step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
-                                          layout, greedy_only), donate_argnums=(1,),
+                                          layout, greedy_only, not cfg.test_mode), donate_argnums=(1,),
                                   out_shardings=(self.replicated, self.replicated, self.cache_shardings))
                 lowered[(*shape, greedy_only)] = step_fn.lower(self.params, self.cache, words, optional,
                                                                 self._tokens)

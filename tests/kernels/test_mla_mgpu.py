@@ -101,3 +101,60 @@ def test_kernel_lowers_for_cuda(num_heads, stages):
             S((16,), jnp.int32)]
     module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module and "wgmma.mma_async" in module
+
+
+def _routed_case(rng, monkeypatch):
+    """A decode batch (one query token per sequence, the last sequence the batch's padding: empty context) over
+    64-token pages, with the short-context threshold lowered so that the small batch counts as long."""
+    from pallas_kernels.mla import attention
+
+    monkeypatch.setattr(attention, "SHORT_KV_TOKENS", 64)
+    return decode_batch(rng, [150, 70, 0], 16, 64)
+
+
+def test_decode_steps_route_to_the_mgpu_kernel(rng, monkeypatch):
+    """``mla_paged_attention(..., decode_q_len=1)`` under Pallas takes the Mosaic-GPU kernel when it fits (and gives
+    the reference's result, padding sequence included); without ``decode_q_len`` it keeps the Triton kernel."""
+    from pallas_kernels import mla as mla_ops
+    from pallas_kernels.mla import decode_mgpu
+
+    batch = _routed_case(rng, monkeypatch)
+    calls = []
+    real = decode_mgpu.mla_decode_mgpu
+    monkeypatch.setattr(decode_mgpu, "mla_decode_mgpu", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(mla_ops, "MGPU_DECODE", True)
+    pages = jnp.asarray(batch.pages, jnp.bfloat16)
+    args = (jnp.asarray(batch.q, jnp.bfloat16), pages, jnp.asarray(batch.block_tables),
+            jnp.asarray(batch.context_lens), jnp.asarray(batch.cu_q_lens))
+    o, lse = mla_ops.mla_paged_attention(*args, scale=SCALE, kv_lora_rank=RANK, decode_q_len=1, impl="pallas")
+    assert len(calls) == 1 and calls[0]["q_len"] == 1
+    want_o, want_lse = reference(batch, pages)
+    np.testing.assert_allclose(np.asarray(o, np.float32), want_o, **O_TOL)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(lse)[2] == NO_KEY_LSE)  # the padding sequence
+    mla_ops.mla_paged_attention(*args, scale=SCALE, kv_lora_rank=RANK, impl="pallas")
+    monkeypatch.setattr(mla_ops, "MGPU_DECODE", False)
+    mla_ops.mla_paged_attention(*args, scale=SCALE, kv_lora_rank=RANK, decode_q_len=1, impl="pallas")
+    assert len(calls) == 1
+
+
+def test_mgpu_decode_fits_only_its_contract(rng, monkeypatch):
+    """fp8 pages, f32 pages, 16-token pages, other latent widths, more than 8 query tokens, a row count that is not
+    N * q_len, and short batches (the Triton kernel's short-context tiling) keep the Triton kernel."""
+    from pallas_kernels.mla import attention, mgpu_decode_fits
+
+    batch = _routed_case(rng, monkeypatch)
+    q, tables = jnp.asarray(batch.q, jnp.bfloat16), jnp.asarray(batch.block_tables)
+    pages = jnp.asarray(batch.pages, jnp.bfloat16)
+    fits = lambda q=q, pages=pages, tables=tables, rank=RANK, scales=None, q_len=1: mgpu_decode_fits(
+        q, pages, tables, kv_lora_rank=rank, page_scales=scales, q_len=q_len)
+    assert fits()
+    assert not fits(scales=jnp.ones(pages.shape[:2], jnp.float32))
+    assert not fits(pages=pages.astype(jnp.float32))
+    assert not fits(pages=pages.reshape(-1, 16, WIDTH), tables=jnp.repeat(tables, 4, axis=1))
+    assert not fits(rank=448)
+    assert not fits(q=q[:2])
+    assert not fits(q=jnp.repeat(q, 9, axis=0), q_len=9)
+    assert fits(q=jnp.repeat(q, 8, axis=0), q_len=8)
+    monkeypatch.setattr(attention, "SHORT_KV_TOKENS", 3 * tables.shape[1] * 64)
+    assert not fits()
