@@ -190,10 +190,9 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
 
 
 def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref, seq_len_ref, positions_ref, w_ref,
-                 u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, s0_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, o_init_ref,
+                 u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, s0_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, end_ref,
                  o_ref, final_ref, *checkpoint_refs, opts: _Options, block_v: int, num_positions: int,
                  has_initial_state: bool):
-    del o_init_ref  # aliased to o_ref (zero-initialised so tokens past the last sequence read 0)
     hv, iv = pl.program_id(0), pl.program_id(1)
     seq = seq_order_ref[pl.program_id(2)]  # longest first: the last axis is the slowest in launch order
     head = hv // opts.group
@@ -240,6 +239,18 @@ def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref,
 
     state = lax.fori_loop(0, num_chunks, body, state)
     final_ref[seq, hv, :, vs] = state
+
+    @pl.when(pl.program_id(2) == 0)  # every other row of o is some sequence's: zero the rows past the last one
+    def _():
+        end, num_rows = end_ref[0], o_ref.shape[0]
+
+        def zero(i, carry):
+            start = end + i * CHUNK
+            pltriton.store(o_ref.at[pl.ds(start, CHUNK), hv, vs], jnp.zeros((CHUNK, block_v), o_ref.dtype),
+                           mask=_row_mask(num_rows - start, CHUNK)[:, None])
+            return carry
+
+        lax.fori_loop(0, (num_rows - end + CHUNK - 1) // CHUNK, zero, 0)
 
 
 def _chunk_plan(cu_seqlens, num_seqs, num_tokens):
@@ -325,11 +336,12 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         positions, num_positions = jnp.zeros((1, 1), jnp.int32), 0
     else:
         positions, num_positions = checkpoint_positions.astype(jnp.int32), checkpoint_positions.shape[1]
-    o_init = jnp.zeros((num_tokens, num_value_heads, value_dim), q.dtype)
     order = jnp.argsort(-seq_meta[3], stable=True).astype(jnp.int32)  # sequences by decreasing length
-    scan_inputs = (order, *seq_meta, positions, w, u, qg, kg, aqk, decay, s0, k, g, a_log, dt_bias, o_init)
+    end = cu_seqlens[-1:].astype(jnp.int32)  # rows from here on belong to no sequence
+    scan_inputs = (order, *seq_meta, positions, w, u, qg, kg, aqk, decay, s0, k, g, a_log, dt_bias, end)
     state_shape = (num_seqs, num_value_heads, head_dim, value_dim)
-    out_shape = [jax.ShapeDtypeStruct(o_init.shape, q.dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((num_tokens, num_value_heads, value_dim), q.dtype),
+                 jax.ShapeDtypeStruct(state_shape, jnp.float32)]
     if num_positions:
         out_shape.append(jax.ShapeDtypeStruct((num_seqs, num_positions) + state_shape[1:], jnp.float32))
     outs = pl.pallas_call(
@@ -339,7 +351,6 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         grid=(num_value_heads, value_dim // block_v, num_seqs),
         in_specs=[_full(x.shape) for x in scan_inputs],
         out_specs=tuple(_full(s.shape) for s in out_shape),
-        input_output_aliases={len(scan_inputs) - 1: 0},
         compiler_params=pltriton.CompilerParams(num_warps=scan_warps, num_stages=num_stages),
         interpret=interpret, name="kda_chunk_scan",
     )(*scan_inputs)
