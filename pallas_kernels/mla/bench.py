@@ -303,7 +303,7 @@ def run_mgpu(report: dict, ceil: dict, over) -> None:
     from pallas_kernels.mla.decode_mgpu import default_splits, mla_decode_mgpu
 
     report["mgpu"] = []
-    for num_heads in (32, 96):
+    for num_heads in (12, 32, 96):
         for batch, context in ((16, 32768), (64, 32768), (16, 131072), (1, 131072)):
             if over():
                 report["skipped"].append(f"mgpu H={num_heads} B={batch} ctx={context}")
@@ -346,6 +346,16 @@ def print_tables(report: dict) -> None:
               f"{r.get('fp8_us', nan):.0f} | {r.get('fp8_pct_roof', nan):.0f} |")
     for r in report.get("prefill", []):
         print(r)
+    if report.get("mgpu"):
+        print("\n| H | B | ctx | Triton us | TB/s | best mgpu | us | TB/s | mgpu / Triton speed |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for r in report.get("mgpu", []):
+        times = {k[:-3]: v for k, v in r.items() if k.startswith("mgpu") and k.endswith("_us")}
+        if "triton_us" not in r or not times:
+            continue
+        best = min(times, key=times.get)
+        print(f"| {r['H']} | {r['B']} | {r['ctx']} | {r['triton_us']:.1f} | {r['triton_cache_TBps']:.2f} | "
+              f"{best[5:]} | {times[best]:.1f} | {r[best + '_cache_TBps']:.2f} | {r['triton_us'] / times[best]:.2f}x |")
 
 
 SHORT_DECODE_CASES = ((1, 560), (1, 4096), (16, 560))  # (batch, cached tokens): the engine's decode at H=32
