@@ -58,7 +58,8 @@ def _add_serve(sub) -> None:
 def engine_args_from_cli(args: argparse.Namespace) -> dict:
     """EngineConfig fields set on the command line (None = platform default)."""
     fields = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  enable_prefix_caching=args.enable_prefix_caching,
                   prefix_cache_retention_interval=args.prefix_cache_retention_interval,
                   kv_cache_dtype=args.kv_cache_dtype)
     return {k: v for k, v in fields.items() if v is not None}

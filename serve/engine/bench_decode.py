@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16,
-                        help="tokens per MLA page; multiples of 64 let long decode steps take the Mosaic-GPU MLA kernel")
+                        help="tokens per MLA page; multiples of 64 let long decode steps take the Mosaic-GPU MLA "
+                             "kernel")
     parser.add_argument("--memory-gib", type=float, default=4.0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="> 0: sample (top_p 0.9), which takes the general step variant with the sampler's sort")

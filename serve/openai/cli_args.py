@@ -1,6 +1,6 @@
 """`kimi-jax serve` flags (mirroring `vllm serve` where the meaning is the same) and the server entry points.
 
-Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --enable-prefix-caching,
+Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --enable-prefix-caching,
 --prefix-cache-retention-interval, --kv-cache-dtype, --seed) are defined here so `kimi-jax serve --help` lists
 them all, and are read by whoever builds the engine; `run_server` reads the HTTP ones.
 """
@@ -46,6 +46,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="most sequences in one step (default: 16 on CPU, 128 on GPU)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one step, the chunked-prefill budget (default: 256 CPU, 4096 GPU)")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="tokens per MLA page, the prefix-match unit (default: 16); a multiple of 64 lets "
+                             "long-context decode on a GPU take the Mosaic-GPU MLA kernel")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share MLA pages and restore KDA checkpoints across requests (default: on)")
     engine.add_argument("--prefix-cache-retention-interval", type=int, default=0,

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from kimi_jax.tokenizer import load_tokenizer
+from serve.cli import engine_args_from_cli
 from serve.openai import add_serve_args, build_server, server_config_from_args
 from serve.openai.testing import FakeAsyncEngine, free_port
 
@@ -25,10 +26,12 @@ def test_vllm_recipe_flags_parse(engines):
     """The vLLM K3 recipe's flags, including its fp8 MLA cache."""
     args = parse("tiny", "--host", "127.0.0.1", "--port", "9001", "--served-model-name", "kimi", "k3",
                  "--max-model-len", "4096", "--max-num-seqs", "8", "--max-num-batched-tokens", "2048",
+                 "--block-size", "64",
                  "--enable-prefix-caching", "--prefix-cache-retention-interval", "512", "--kv-cache-dtype", "fp8",
                  "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3",
                  "--api-key", "k", "--seed", "3")
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (4096, 8, 2048)
+    assert engine_args_from_cli(args)["block_size"] == 64 and "block_size" not in engine_args_from_cli(parse("tiny"))
     assert args.enable_prefix_caching and args.prefix_cache_retention_interval == 512 and args.seed == 3
     config = server_config_from_args(args, engines["tiny"])
     assert config.served_model_names == ("kimi", "k3") and config.model_name == "kimi"
