@@ -14,6 +14,12 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def on_hopper() -> bool:
+    """True when the default device is a compute capability 9.x GPU (H100 / H200): what Mosaic-GPU kernels built on
+    ``wgmma`` and TMA need."""
+    return on_gpu() and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
 def resolve_impl(impl: str | None) -> str:
     """Turn ``None`` into the backend default (``KIMI_JAX_IMPL`` env overrides); validate names."""
     if impl is None:

@@ -45,7 +45,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
       g: ``[B, T, HV, K]`` log-decay, or the raw gate input when ``A_log`` is given.
       scale: multiplies q; default ``K**-0.5``.
       initial_state: ``[N, HV, K, V]`` (zeros if None).
-      cu_seqlens: int32 ``[N+1]``; tokens past ``cu_seqlens[N]`` get a zero output.
+      cu_seqlens: int32 ``[N+1]`` from ``cu_seqlens[0] == 0``; tokens past ``cu_seqlens[N]`` get a zero output.
       checkpoint_positions: int32 ``[N, P]`` token counts into sequence n (0..len_n) at which to export the
         state; ``-1`` = unused (zeros).
       use_qk_l2norm: L2-normalise q and k (eps 1e-6 inside the sqrt) first.

@@ -240,7 +240,8 @@ def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref,
     state = lax.fori_loop(0, num_chunks, body, state)
     final_ref[seq, hv, :, vs] = state
 
-    @pl.when(pl.program_id(2) == 0)  # every other row of o is some sequence's: zero the rows past the last one
+    # every other row of o is some sequence's: the last-launched program (the shortest sequence's) zeroes the rest
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _():
         end, num_rows = end_ref[0], o_ref.shape[0]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.impl import on_gpu, resolve_impl
+from pallas_kernels.impl import on_hopper, resolve_impl
 from pallas_kernels.mla.reference import (
     NO_KEY_LSE,
     absorb_outputs_reference,
@@ -95,22 +95,24 @@ def write_latent_cache_fp8(pages, page_scales, latent, slot_mapping, *, layer=No
 
 MGPU_DECODE: bool | None = None
 """Whether ``impl="pallas"`` decode calls that qualify (:func:`mgpu_decode_fits`) take the Mosaic-GPU kernel: None =
-on a GPU only (elsewhere it would run in Mosaic-GPU's slow interpreter; tests set True). H200, batch 16-64, 32K-128K
+on a Hopper GPU only (its ``wgmma`` and TMA; elsewhere it would run in Mosaic-GPU's slow interpreter; tests set
+True). H200, batch 16-64, 32K-128K
 context, chunk 128 (BENCHMARKS.md, session 13): H=32 186-690 us = 76-82% of the 4.27 TB/s copy rate, 1.5-1.6x the
 Triton kernel; H=96 42-44%, 2.9-3.0x Triton; batch 1 at 128K: 1.5x (H=32) and 2.6x (H=96)."""
 
 
 def mgpu_decode_fits(q, pages, block_tables, *, kv_lora_rank: int, page_scales, q_len: int) -> bool:
-    """The Mosaic-GPU decode kernel applies: bf16 pages of a multiple of 64 tokens (no fp8 scales), the 512 + 64
-    latent width, ``T == N * q_len`` with at most 8 query tokens per sequence, and a batch whose cache capacity
-    (sequences x table width x page size) is past the Triton kernel's short-context tiling, which the Mosaic-GPU
-    kernel has not been measured against."""
+    """The Mosaic-GPU decode kernel applies: bf16 queries (it computes in bf16) and bf16 pages of a multiple of 64
+    tokens (no fp8 scales), the 512 + 64 latent width, ``T == N * q_len`` with at most 8 query tokens per sequence,
+    and a batch whose cache capacity (sequences x table width x page size) is past the Triton kernel's
+    short-context tiling, which the Mosaic-GPU kernel has not been measured against."""
     from pallas_kernels.mla import attention, decode_mgpu
 
     num_seqs, table_pages = block_tables.shape
     block_size = pages.shape[-2]
-    return (page_scales is None and pages.dtype == jax.numpy.bfloat16 and block_size % decode_mgpu.BLOCK_KV == 0
-            and q.shape[-1] == decode_mgpu.WIDTH and kv_lora_rank == decode_mgpu.RANK and 1 <= q_len <= 8
+    bf16 = jax.numpy.bfloat16
+    return (page_scales is None and q.dtype == bf16 and pages.dtype == bf16
+            and block_size % decode_mgpu.BLOCK_KV == 0 and q.shape[-1] == decode_mgpu.WIDTH and kv_lora_rank == decode_mgpu.RANK and 1 <= q_len <= 8
             and q.shape[0] == num_seqs * q_len
             and num_seqs * table_pages * block_size > attention.SHORT_KV_TOKENS)
 
@@ -139,7 +141,7 @@ def mla_paged_attention(
     not loading them.
     """
     if resolve_impl(impl) == "pallas":
-        use_mgpu = on_gpu() if MGPU_DECODE is None else MGPU_DECODE
+        use_mgpu = on_hopper() if MGPU_DECODE is None else MGPU_DECODE
         if use_mgpu and decode_q_len and mgpu_decode_fits(q, pages, block_tables, kv_lora_rank=kv_lora_rank,
                                                           page_scales=page_scales, q_len=decode_q_len):
             from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu

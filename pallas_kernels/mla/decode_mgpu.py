@@ -23,9 +23,10 @@ GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-
 
 Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
-``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with R = 512. Tiles wholly
-past a sequence's context are skipped (their pages, whatever the block table holds there, are loaded but never used);
-in the last tile the rows past the context are masked out of the softmax, so their values meet a zero
+``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with R = 512. Each
+sequence's context (not its table's capacity: the engine's page buckets run ahead of it) is split evenly over the
+KV splits at run time; a split's steps past its share reload its last tile (an L2 hit) and skip the math.
+In the last tile the rows past the context are masked out of the softmax, so their values meet a zero
 probability: they must be finite (the engine's pools are zero-initialised and freed pages keep finite latents;
 its NaN-poisoning test mode takes the Triton kernel). :func:`pallas_kernels.mla.mla_paged_attention` routes
 qualifying decode calls here on a GPU (``MGPU_DECODE``, ``mgpu_decode_fits``).
@@ -54,18 +55,21 @@ NUM_SMS = 132  # H200; one CTA fits per SM (216 KB of shared memory)
 
 
 def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
-            tiles_per_page, tiles_per_split, chunk, stages, q_len, num_heads):
+            tiles_per_page, tiles_per_split, num_splits, chunk, stages, q_len, num_heads):
     seq, head_block, split = lax.axis_index("seq"), lax.axis_index("hb"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     rows = pl.ds(head_block * ROWS, ROWS)
-    first_tile = split * tiles_per_split
     context = lens_gmem[seq]
+    # this sequence's tiles, split evenly over the splits (at most tiles_per_split each, the static step count)
+    per_split = (context + BLOCK_KV * num_splits - 1) // (BLOCK_KV * num_splits)
+    first_tile = split * per_split
     num_pages, max_pages = pages_gmem.shape[1], tables_gmem.shape[1]
     half = RANK // 2
     log2e = math.log2(math.e)
 
     def page_block(step):  # block index of step's [BLOCK_KV, 576] rows: (layer, page, tile in page, 0)
-        tile = first_tile + step
+        # steps past this split's share reload its last tile (an L2 hit), never another split's pages
+        tile = jnp.maximum(first_tile + jnp.minimum(step, per_split - 1), 0)
         page = tables_gmem[seq, jnp.minimum(tile // tiles_per_page, max_pages - 1)]
         return layer, jnp.clip(page, 0, num_pages - 1), lax.rem(tile, tiles_per_page), 0
 
@@ -115,7 +119,7 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
                 accs = list(pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs)))
             return (*accs, m_new, l)
 
-        return lax.cond(start < context, attend, lambda carry: carry, carry)
+        return lax.cond((step < per_split) & (start < context), attend, lambda carry: carry, carry)
 
     def compute(run_pipeline):
         @pl.when(wg == 0)
@@ -185,8 +189,8 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
     q_rows = q.astype(jnp.bfloat16).reshape(num_seqs, q_len * num_heads, WIDTH)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, rows - q_len * num_heads), (0, 0)))
     kernel = functools.partial(_kernel, layer=layer, scale=float(scale), tiles_per_page=tiles_per_page,
-                               tiles_per_split=tiles_per_split, chunk=chunk, stages=stages, q_len=q_len,
-                               num_heads=num_heads)
+                               tiles_per_split=tiles_per_split, num_splits=splits, chunk=chunk, stages=stages,
+                               q_len=q_len, num_heads=num_heads)
     interpret = not on_gpu() if interpret is None else interpret
     p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=wgmma_operand_transforms(BLOCK_KV))
               ] if interpret else []

@@ -133,13 +133,14 @@ def test_decode_steps_route_to_the_mgpu_kernel(rng, monkeypatch):
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(lse)[2] == NO_KEY_LSE)  # the padding sequence
     mla_ops.mla_paged_attention(*args, scale=SCALE, kv_lora_rank=RANK, impl="pallas")
-    monkeypatch.setattr(mla_ops, "MGPU_DECODE", False)
-    mla_ops.mla_paged_attention(*args, scale=SCALE, kv_lora_rank=RANK, decode_q_len=1, impl="pallas")
+    for switch in (False, None):  # None: Hopper GPUs only, so not on this CPU
+        monkeypatch.setattr(mla_ops, "MGPU_DECODE", switch)
+        mla_ops.mla_paged_attention(*args, scale=SCALE, kv_lora_rank=RANK, decode_q_len=1, impl="pallas")
     assert len(calls) == 1
 
 
 def test_mgpu_decode_fits_only_its_contract(rng, monkeypatch):
-    """fp8 pages, f32 pages, 16-token pages, other latent widths, more than 8 query tokens, a row count that is not
+    """fp8 pages, f32 pages or queries, 16-token pages, other latent widths, more than 8 query tokens, a row count that is not
     N * q_len, and short batches (the Triton kernel's short-context tiling) keep the Triton kernel."""
     from pallas_kernels.mla import attention, mgpu_decode_fits
 
@@ -151,6 +152,7 @@ def test_mgpu_decode_fits_only_its_contract(rng, monkeypatch):
     assert fits()
     assert not fits(scales=jnp.ones(pages.shape[:2], jnp.float32))
     assert not fits(pages=pages.astype(jnp.float32))
+    assert not fits(q=q.astype(jnp.float32))
     assert not fits(pages=pages.reshape(-1, 16, WIDTH), tables=jnp.repeat(tables, 4, axis=1))
     assert not fits(rank=448)
     assert not fits(q=q[:2])
