@@ -2,12 +2,15 @@
 chain of our decode-sized kernels?
 
 A decode step at batch 1 is a chain of ~25 dependent small kernels per layer, each paying a launch ramp (BENCHMARKS.md,
-session 10: "each launch's fixed ramp ... which only fewer launches on the critical path can remove"). XLA 0.11 can
+session 10: "each launch's fixed ramp ... which only fewer launches on the critical path can remove"). XLA can
 launch a kernel before its predecessor finishes (``xla_gpu_enable_pdl``; the kernel's ``griddepcontrol.wait`` holds
-its reads) and let a predecessor release its successors early (``xla_gpu_enable_pdl_launch``). This times, per
-option set, one jitted chain of ``--links`` x (one-row GEMV ``D -> D`` on a layer stack through our grouped kernel,
+its reads) and let a predecessor release its successors early (``xla_gpu_enable_pdl_launch``); both are on by
+default in jax 0.11.2 (the dumped ``*.debug_options``, which list non-default options, show them only when turned
+off). This times, per option set, one jitted chain of ``--links`` x (one-row GEMV ``D -> D`` on a layer stack through our grouped kernel,
 then our residual add + RMSNorm), and the same chain in plain XLA, checks that every option set gives bit-identical
-results, and counts the PDL instructions in the PTX XLA emitted (``xla_dump_to``).
+results, and counts the PDL instructions in what XLA emitted for a 2-link chain under each option set (a child
+process per set with ``XLA_FLAGS=--xla_dump_to=...``: given as a compile option, ``xla_dump_to`` wrote nothing on the
+H200 in session 13), which says whether our Pallas kernels get ``griddepcontrol.wait`` at all.
 
     PYTHONPATH=. python3 pallas_kernels/launch_bench.py --links 32
 """
@@ -15,9 +18,11 @@ results, and counts the PDL instructions in the PTX XLA emitted (``xla_dump_to``
 from __future__ import annotations
 
 import argparse
-import glob
+import collections
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -28,14 +33,12 @@ import numpy as np
 from kimi_jax.layers.common import stacked_linear
 from pallas_kernels.rmsnorm import add_rms_norm
 
+_CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}  # the engine's option
 OPTION_SETS = {
-    "concurrent": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
-    "concurrent+pdl_off": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": False},
-    "concurrent+pdl": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": True},
-    "concurrent+pdl+launch": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_enable_pdl": True,
-                              "xla_gpu_enable_pdl_launch": True},
-    "pdl+launch (no command buffer)": {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True,
-                                       "xla_gpu_enable_command_buffer": ""},
+    "engine (PDL on: XLA's default)": _CONCURRENT,
+    "PDL launch insertion off": {**_CONCURRENT, "xla_gpu_enable_pdl_launch": False},
+    "PDL off": {**_CONCURRENT, "xla_gpu_enable_pdl": False, "xla_gpu_enable_pdl_launch": False},
+    "no command buffer (PDL on)": {"xla_gpu_enable_command_buffer": ""},
 }
 
 
@@ -58,13 +61,36 @@ def xla_chain(h: jax.Array, w: jax.Array, norm: jax.Array, links: int) -> jax.Ar
     return h
 
 
-def ptx_counts(folder: str) -> dict[str, int]:
-    """Occurrences of the PDL instructions in the PTX files XLA dumped under ``folder``."""
-    text = "".join(open(p, errors="replace").read() for p in glob.glob(os.path.join(folder, "**", "*.ptx"),
-                                                                         recursive=True))
-    return {"ptx_files": len(glob.glob(os.path.join(folder, "**", "*.ptx"), recursive=True)),
-            "griddepcontrol.wait": text.count("griddepcontrol.wait"),
-            "griddepcontrol.launch_dependents": text.count("griddepcontrol.launch_dependents")}
+def dump_counts(folder: str) -> dict:
+    """Files XLA dumped under ``folder`` by extension, and how many of them (and of those naming our Pallas kernels)
+    hold each PDL instruction."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    counts = {"files_by_ext": dict(collections.Counter(os.path.splitext(f)[1] for f in files))}
+    for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        texts = [open(f, errors="replace").read() for f in files]
+        counts[word] = sum(t.count(word) for t in texts)
+        counts[word + " (files naming grouped_gemm)"] = sum(word in t for t in texts if "grouped_gemm" in t)
+    return counts
+
+
+def xla_flags(options: dict) -> str:
+    """A compile-option set as XLA_FLAGS text."""
+    text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    return " ".join(f"--{name}={text(value)}" for name, value in options.items())
+
+
+def probe_dumps(option_sets: dict) -> dict[str, dict]:
+    """Per option set: :func:`dump_counts` of a child process that compiles a 2-link chain of each kind under
+    ``XLA_FLAGS`` = the set plus ``--xla_dump_to``."""
+    found = {}
+    for name, options in option_sets.items():
+        folder = tempfile.mkdtemp(prefix="pdl_dump_")
+        env = {**os.environ, "XLA_FLAGS": f"{xla_flags(options)} --xla_dump_to={folder}"}
+        done = subprocess.run([sys.executable, __file__, "--child-compile"], env=env, capture_output=True, text=True,
+                              timeout=300)
+        found[name] = dump_counts(folder) if done.returncode == 0 else {"error": done.stderr[-300:]}
+        print(json.dumps({"dump": name, **found[name]}), flush=True)
+    return found
 
 
 def time_calls(fn, args, calls: int = 30) -> float:
@@ -88,19 +114,25 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2304)
     parser.add_argument("--stack", type=int, default=8, help="distinct weight matrices cycled through")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--child-compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_compile:  # probe_dumps' child: XLA_FLAGS carry the options and the dump folder
+        args.links, args.stack = 2, 2
     key = jax.random.PRNGKey(0)
     kw, kh, kn = jax.random.split(key, 3)
     w = (jax.random.normal(kw, (args.stack, args.dim, args.dim), jnp.float32) * args.dim ** -0.5).astype(jnp.bfloat16)
     h = jax.random.normal(kh, (1, args.dim), jnp.float32).astype(jnp.bfloat16)
     norm = (1.0 + 0.1 * jax.random.normal(kn, (args.stack, args.dim), jnp.float32))
+    if args.child_compile:
+        for chain in (pallas_chain, xla_chain):
+            jax.block_until_ready(jax.jit(lambda h, w, n: chain(h, w, n, args.links))(h, w, norm))
+        return
     rows, reference = [], {}
     for chain_name, chain in (("pallas", pallas_chain), ("xla", xla_chain)):
         lowered = jax.jit(lambda h, w, n: chain(h, w, n, args.links)).lower(h, w, norm)
         for name, options in OPTION_SETS.items():
-            dump = tempfile.mkdtemp(prefix="pdl_dump_")
             try:
-                compiled = lowered.compile({**options, "xla_dump_to": dump})
+                compiled = lowered.compile(options)
             except Exception as e:  # an option this XLA rejects: say so, keep going
                 rows.append(dict(chain=chain_name, options=name, error=str(e)[:200]))
                 print(json.dumps(rows[-1]), flush=True)
@@ -110,21 +142,30 @@ def main() -> None:
             seconds = time_calls(compiled, (h, w, norm))
             rows.append(dict(chain=chain_name, options=name, us_per_call=seconds * 1e6,
                              us_per_link=seconds * 1e6 / args.links,
-                             identical=bool(np.array_equal(out, reference[chain_name])), **ptx_counts(dump)))
+                             identical=bool(np.array_equal(out, reference[chain_name]))))
             print(json.dumps(rows[-1]), flush=True)
+    dumps = probe_dumps(OPTION_SETS)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "launch_bench.json"), "w") as f:
-        json.dump(dict(args=vars(args), device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        json.dump(dict(args=vars(args), device=jax.devices()[0].device_kind, rows=rows, dumps=dumps), f, indent=1)
     print(f"\n{args.links} links of (1 x {args.dim} GEMV, add + RMSNorm); bytes per GEMV "
           f"{args.dim * args.dim * 2 / 1e6:.1f} MB")
-    print("| chain | options | us per call | us per link | identical | PTX wait / launch_dependents |")
-    print("|---|---|---|---|---|---|")
+    print("| chain | options | us per call | us per link | identical |")
+    print("|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['chain']} | {r['options']} | error: {r['error'][:60]} | | | |")
+            print(f"| {r['chain']} | {r['options']} | error: {r['error'][:60]} | | |")
         else:
             print(f"| {r['chain']} | {r['options']} | {r['us_per_call']:.1f} | {r['us_per_link']:.2f} | "
-                  f"{r['identical']} | {r['griddepcontrol.wait']} / {r['griddepcontrol.launch_dependents']} |")
+                  f"{r['identical']} |")
+    print("\n| options | dumped files | griddepcontrol.wait (in files naming grouped_gemm) | launch_dependents |")
+    print("|---|---|---|---|")
+    for name, d in dumps.items():
+        if "error" in d:
+            print(f"| {name} | error: {d['error'][-80:]} | | |")
+        else:
+            w, ld = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+            print(f"| {name} | {d['files_by_ext']} | {d[w]} ({d[w + ' (files naming grouped_gemm)']}) | {d[ld]} |")
 
 
 if __name__ == "__main__":

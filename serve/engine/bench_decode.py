@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                              "optimised HLO (step_hlo_bN.txt)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="add an XLA compile option to the engine's GPU executables (serve.engine.runner."
-                             "GPU_COMPILER_OPTIONS), e.g. xla_gpu_enable_pdl=true; repeatable")
+                             "GPU_COMPILER_OPTIONS), e.g. xla_gpu_autotune_level=0; repeatable")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
