@@ -6,11 +6,12 @@ session 10: "each launch's fixed ramp ... which only fewer launches on the criti
 launch a kernel before its predecessor finishes (``xla_gpu_enable_pdl``; the kernel's ``griddepcontrol.wait`` holds
 its reads) and let a predecessor release its successors early (``xla_gpu_enable_pdl_launch``); both are on by
 default in jax 0.11.2 (the dumped ``*.debug_options``, which list non-default options, show them only when turned
-off). This times, per option set, one jitted chain of ``--links`` x (one-row GEMV ``D -> D`` on a layer stack through our grouped kernel,
-then our residual add + RMSNorm), and the same chain in plain XLA, checks that every option set gives bit-identical
-results, and counts the PDL instructions in what XLA emitted for a 2-link chain under each option set (a child
-process per set with ``XLA_FLAGS=--xla_dump_to=...``: given as a compile option, ``xla_dump_to`` wrote nothing on the
-H200 in session 13), which says whether our Pallas kernels get ``griddepcontrol.wait`` at all.
+off). This times, per option set, one jitted chain of ``--links`` x (one-row GEMV ``D -> D`` on a layer stack
+through our grouped kernel, then our residual add + RMSNorm), and the same chain in plain XLA, checks that every
+option set gives bit-identical results, and counts the PDL instructions in what XLA emitted for a 2-link chain
+under each option set (a child process per set with ``XLA_FLAGS=--xla_dump_to=...``: given as a compile option,
+``xla_dump_to`` wrote nothing on the H200 in session 13), which says whether our Pallas kernels get
+``griddepcontrol.wait`` at all.
 
     PYTHONPATH=. python3 pallas_kernels/launch_bench.py --links 32
 """
@@ -66,8 +67,8 @@ def dump_counts(folder: str) -> dict:
     hold each PDL instruction."""
     files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
     counts = {"files_by_ext": dict(collections.Counter(os.path.splitext(f)[1] for f in files))}
+    texts = [open(f, errors="replace").read() for f in files]
     for word in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
-        texts = [open(f, errors="replace").read() for f in files]
         counts[word] = sum(t.count(word) for t in texts)
         counts[word + " (files naming grouped_gemm)"] = sum(word in t for t in texts if "grouped_gemm" in t)
     return counts

@@ -96,9 +96,9 @@ def write_latent_cache_fp8(pages, page_scales, latent, slot_mapping, *, layer=No
 MGPU_DECODE: bool | None = None
 """Whether ``impl="pallas"`` decode calls that qualify (:func:`mgpu_decode_fits`) take the Mosaic-GPU kernel: None =
 on a Hopper GPU only (its ``wgmma`` and TMA; elsewhere it would run in Mosaic-GPU's slow interpreter; tests set
-True). H200, batch 16-64, 32K-128K
-context, chunk 128 (BENCHMARKS.md, session 13): H=32 186-690 us = 76-82% of the 4.27 TB/s copy rate, 1.5-1.6x the
-Triton kernel; H=96 42-44%, 2.9-3.0x Triton; batch 1 at 128K: 1.5x (H=32) and 2.6x (H=96)."""
+True). H200, batch 16-64, 32K-128K context, chunk 128 (BENCHMARKS.md, session 13): H=32 186-690 us = 76-82% of
+the 4.27 TB/s copy rate, 1.5-1.6x the Triton kernel; H=96 42-44%, 2.9-3.0x Triton; batch 1 at 128K: 1.5x (H=32)
+and 2.6x (H=96)."""
 
 
 def mgpu_decode_fits(q, pages, block_tables, *, kv_lora_rank: int, page_scales, q_len: int) -> bool:
@@ -112,8 +112,8 @@ def mgpu_decode_fits(q, pages, block_tables, *, kv_lora_rank: int, page_scales, 
     block_size = pages.shape[-2]
     bf16 = jax.numpy.bfloat16
     return (page_scales is None and q.dtype == bf16 and pages.dtype == bf16
-            and block_size % decode_mgpu.BLOCK_KV == 0 and q.shape[-1] == decode_mgpu.WIDTH and kv_lora_rank == decode_mgpu.RANK and 1 <= q_len <= 8
-            and q.shape[0] == num_seqs * q_len
+            and block_size % decode_mgpu.BLOCK_KV == 0 and q.shape[-1] == decode_mgpu.WIDTH
+            and kv_lora_rank == decode_mgpu.RANK and 1 <= q_len <= 8 and q.shape[0] == num_seqs * q_len
             and num_seqs * table_pages * block_size > attention.SHORT_KV_TOKENS)
 
 

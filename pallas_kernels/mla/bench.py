@@ -359,8 +359,9 @@ def print_tables(report: dict) -> None:
         if "triton_us" not in r or not times:
             continue
         best = min(times, key=times.get)
-        print(f"| {r['H']} | {r['B']} | {r['ctx']} | {r.get('table_x', 1)} | {r['triton_us']:.1f} | {r['triton_cache_TBps']:.2f} | "
-              f"{best[5:]} | {times[best]:.1f} | {r[best + '_cache_TBps']:.2f} | {r['triton_us'] / times[best]:.2f}x |")
+        print(f"| {r['H']} | {r['B']} | {r['ctx']} | {r.get('table_x', 1)} | {r['triton_us']:.1f} | "
+              f"{r['triton_cache_TBps']:.2f} | {best[5:]} | {times[best]:.1f} | {r[best + '_cache_TBps']:.2f} | "
+              f"{r['triton_us'] / times[best]:.2f}x |")
 
 
 SHORT_DECODE_CASES = ((1, 560), (1, 4096), (16, 560))  # (batch, cached tokens): the engine's decode at H=32

@@ -140,8 +140,8 @@ def test_decode_steps_route_to_the_mgpu_kernel(rng, monkeypatch):
 
 
 def test_mgpu_decode_fits_only_its_contract(rng, monkeypatch):
-    """fp8 pages, f32 pages or queries, 16-token pages, other latent widths, more than 8 query tokens, a row count that is not
-    N * q_len, and short batches (the Triton kernel's short-context tiling) keep the Triton kernel."""
+    """fp8 pages, f32 pages or queries, 16-token pages, other latent widths, more than 8 query tokens, a row count
+    that is not N * q_len, and short batches (the Triton kernel's short-context tiling) keep the Triton kernel."""
     from pallas_kernels.mla import attention, mgpu_decode_fits
 
     batch = _routed_case(rng, monkeypatch)
