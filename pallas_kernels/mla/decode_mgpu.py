@@ -25,7 +25,9 @@ Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
 ``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with R = 512. Each
 sequence's context (not its table's capacity: the engine's page buckets run ahead of it) is split evenly over the
-KV splits at run time; a split's steps past its share reload its last tile (an L2 hit) and skip the math.
+KV splits at run time, and each CTA's pipeline runs only its share's steps (a dynamic pipeline grid; session 14:
+the static grid's surplus steps, which reloaded a tile from L2 and skipped the math, made a table 4x its context
+2.2x slower).
 In the last tile the rows past the context are masked out of the softmax, so their values meet a zero
 probability: they must be finite (the engine's pools are zero-initialised and freed pages keep finite latents;
 its NaN-poisoning test mode takes the Triton kernel). :func:`pallas_kernels.mla.mla_paged_attention` routes
@@ -60,66 +62,63 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
     wg = lax.axis_index("wg")
     rows = pl.ds(head_block * ROWS, ROWS)
     context = lens_gmem[seq]
-    # this sequence's tiles, split evenly over the splits (at most tiles_per_split each, the static step count)
+    # this sequence's tiles, split evenly over the splits: each CTA's pipeline runs only its share's steps
     per_split = (context + BLOCK_KV * num_splits - 1) // (BLOCK_KV * num_splits)
     first_tile = split * per_split
+    context_tiles = (context + BLOCK_KV - 1) // BLOCK_KV
+    num_steps = jnp.clip(jnp.minimum(per_split, context_tiles - first_tile), 0, tiles_per_split)
     num_pages, max_pages = pages_gmem.shape[1], tables_gmem.shape[1]
     half = RANK // 2
     log2e = math.log2(math.e)
 
     def page_block(step):  # block index of step's [BLOCK_KV, 576] rows: (layer, page, tile in page, 0)
-        # steps past this split's share reload its last tile (an L2 hit), never another split's pages
-        tile = jnp.maximum(first_tile + jnp.minimum(step, per_split - 1), 0)
+        tile = first_tile + step  # step < num_steps: this split's own tiles of the context only
         page = tables_gmem[seq, jnp.minimum(tile // tiles_per_page, max_pages - 1)]
         return layer, jnp.clip(page, 0, num_pages - 1), lax.rem(tile, tiles_per_page), 0
 
     def step_body(idx, k_smem, carry):
         (step,) = idx
         start = (first_tile + step) * BLOCK_KV
+        *accs, m, l = carry
 
-        def attend(carry):
-            *accs, m, l = carry
+        def scores(s_ref):
+            plgpu.wgmma(s_ref, q_smem, k_smem.T)
+            return s_ref[...]
 
-            def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.T)
-                return s_ref[...]
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))
+        token = start + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 1)
+        # row r is query token (head_block * 64 + r) // H of the sequence's q_len, which sees the keys before
+        # context - q_len + 1 + that index (padding rows past q_len * H see them all)
+        query = (head_block * ROWS + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 0)) // num_heads
+        visible = context - q_len + 1 + jnp.minimum(query, q_len - 1)
+        s = jnp.where(token < visible, s * (scale * log2e), -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        probabilities = p.astype(jnp.bfloat16)
+        if p_smem:  # the interpreter's wgmma reads A from shared memory only
+            p_smem[0][wg] = probabilities
+            plgpu.commit_smem()
+            probabilities = p_smem[0].at[wg]
 
-            s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))
-            token = start + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 1)
-            # row r is query token (head_block * 64 + r) // H of the sequence's q_len, which sees the keys before
-            # context - q_len + 1 + that index (padding rows past q_len * H see them all)
-            query = (head_block * ROWS + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 0)) // num_heads
-            visible = context - q_len + 1 + jnp.minimum(query, q_len - 1)
-            s = jnp.where(token < visible, s * (scale * log2e), -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            probabilities = p.astype(jnp.bfloat16)
-            if p_smem:  # the interpreter's wgmma reads A from shared memory only
-                p_smem[0][wg] = probabilities
-                plgpu.commit_smem()
-                probabilities = p_smem[0].at[wg]
+        def values(c):  # V for this warpgroup's columns [wg * 256 + c * chunk, + chunk)
+            return k_smem.at[:, pl.ds(wg * half + c * chunk, chunk)]
 
-            def values(c):  # V for this warpgroup's columns [wg * 256 + c * chunk, + chunk)
-                return k_smem.at[:, pl.ds(wg * half + c * chunk, chunk)]
-
-            accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs]
-            if p_smem:  # the interpreter has no accumulator initialised from registers: a product per chunk, added
-                def product(c, acc_ref):
+        accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs]
+        if p_smem:  # the interpreter has no accumulator initialised from registers: a product per chunk, added
+            def product(c, acc_ref):
+                plgpu.wgmma(acc_ref, probabilities, values(c))
+                return acc_ref[...]
+            accs = [a + pl.run_scoped(functools.partial(product, c), plgpu.ACC((ROWS, chunk), jnp.float32))
+                    for c, a in enumerate(accs)]
+        else:  # every chunk's P V accumulates in place, issued back to back, one wait for all
+            def products(acc_refs):
+                for c, acc_ref in enumerate(acc_refs):
                     plgpu.wgmma(acc_ref, probabilities, values(c))
-                    return acc_ref[...]
-                accs = [a + pl.run_scoped(functools.partial(product, c), plgpu.ACC((ROWS, chunk), jnp.float32))
-                        for c, a in enumerate(accs)]
-            else:  # every chunk's P V accumulates in place, issued back to back, one wait for all
-                def products(acc_refs):
-                    for c, acc_ref in enumerate(acc_refs):
-                        plgpu.wgmma(acc_ref, probabilities, values(c))
-                accs = list(pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs)))
-            return (*accs, m_new, l)
-
-        return lax.cond((step < per_split) & (start < context), attend, lambda carry: carry, carry)
+            accs = list(pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs)))
+        return (*accs, m_new, l)
 
     def compute(run_pipeline):
         @pl.when(wg == 0)
@@ -142,7 +141,7 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
                                                            (m + jnp.log2(jnp.where(empty, 1.0, l))) / log2e)
 
     plgpu.emit_pipeline_warp_specialized(
-        step_body, grid=(tiles_per_split,), memory_registers=40,
+        step_body, grid=(num_steps,), memory_registers=40,
         in_specs=[plgpu.BlockSpec((None, None, BLOCK_KV, WIDTH), page_block,
                                   transforms=wgmma_operand_transforms(WIDTH))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)(pages_gmem)
