@@ -104,8 +104,10 @@ and 2.6x (H=96)."""
 def mgpu_decode_fits(q, pages, block_tables, *, kv_lora_rank: int, page_scales, q_len: int) -> bool:
     """The Mosaic-GPU decode kernel applies: bf16 queries (it computes in bf16) and bf16 pages of a multiple of 64
     tokens (no fp8 scales), the 512 + 64 latent width, ``T == N * q_len`` with at most 8 query tokens per sequence,
-    and a batch whose cache capacity (sequences x table width x page size) is past the Triton kernel's
-    short-context tiling, which the Mosaic-GPU kernel has not been measured against."""
+    at least ``decode_mgpu.MIN_ROWS`` (token, head) rows per sequence (at H=12 the Triton kernel was 3-11% faster,
+    at H=32 the Mosaic-GPU kernel 1.5-1.6x: BENCHMARKS.md, session 14), and a batch whose cache capacity (sequences
+    x table width x page size) is past the Triton kernel's short-context tiling, which the Mosaic-GPU kernel has
+    not been measured against."""
     from pallas_kernels.mla import attention, decode_mgpu
 
     num_seqs, table_pages = block_tables.shape
@@ -114,6 +116,7 @@ def mgpu_decode_fits(q, pages, block_tables, *, kv_lora_rank: int, page_scales, 
     return (page_scales is None and q.dtype == bf16 and pages.dtype == bf16
             and block_size % decode_mgpu.BLOCK_KV == 0 and q.shape[-1] == decode_mgpu.WIDTH
             and kv_lora_rank == decode_mgpu.RANK and 1 <= q_len <= 8 and q.shape[0] == num_seqs * q_len
+            and q_len * q.shape[1] >= decode_mgpu.MIN_ROWS
             and num_seqs * table_pages * block_size > attention.SHORT_KV_TOKENS)
 
 

@@ -54,6 +54,7 @@ BLOCK_KV = 64  # keys per pipeline step
 WIDTH = 576  # latent (512) + rope key (64) columns per cache row
 RANK = 512
 NUM_SMS = 132  # H200; one CTA fits per SM (216 KB of shared memory)
+MIN_ROWS = 32  # (token, head) rows per sequence from which the engine routes decode here (below: Triton is faster)
 
 
 def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
@@ -154,6 +155,14 @@ def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
     return max(1, min(tiles, NUM_SMS // (num_seqs * head_blocks)))
 
 
+def _fresh_index_buffer(x: jax.Array) -> jax.Array:
+    """``x`` (non-negative ints) as int32 in a buffer of its own. Mosaic-GPU's custom call rejects operands that
+    are not 256-byte aligned, and XLA hands a custom call a slice of a larger buffer in place: the engine's block
+    tables and context lengths are slices of its packed step words (the first 27-layer engine run with 64-token
+    pages failed so at batch 64). The max with 0 is a no-op XLA cannot drop, so it writes a new buffer."""
+    return jnp.maximum(x.astype(jnp.int32), 0)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "splits", "stages", "chunk", "interpret"))
 def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, context_lens: jax.Array, *,
                     scale: float, q_len: int = 1, layer: int | None = None, splits: int | None = None,
@@ -202,6 +211,6 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
         scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=wgmma_operand_transforms(WIDTH)),
                        plgpu.Barrier(num_barriers=1), *p_smem],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q_rows, pages, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32))
+    )(q_rows, pages, _fresh_index_buffer(block_tables), _fresh_index_buffer(context_lens))
     o, lse = merge_partials(o_parts[:, :, :q_len * num_heads], lse_parts[:, :, :q_len * num_heads])
     return o.astype(q.dtype).reshape(num_tokens, num_heads, RANK), lse.reshape(num_tokens, num_heads)

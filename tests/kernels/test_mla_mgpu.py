@@ -6,6 +6,7 @@ the reference keeps them in fp32, and both round o to bf16 (one ulp apart is 2**
 agrees to 1e-2 absolute plus 1e-2 relative on unit-variance latents; the scores are fp32 accumulations of the
 same bf16 products, so the lse agrees to 1e-4."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,6 +80,26 @@ def test_layer_of_stacked_pages_and_bad_arguments(rng):
         mla_decode_mgpu(q, pages, batch.block_tables, batch.context_lens, scale=SCALE, q_len=2)
 
 
+def test_tables_sliced_from_a_packed_buffer(rng):
+    """Block tables and context lengths that are unaligned slices of one int32 buffer (as the engine's packed step
+    words are) inside a jit: on the GPU, Mosaic-GPU's custom call rejects operands off a 256-byte boundary unless
+    the kernel gives them buffers of their own."""
+    batch = decode_batch(rng, [150, 70], 32, 64)
+    pages = jnp.asarray(batch.pages, jnp.bfloat16)
+    tables = np.asarray(batch.block_tables, np.int32)
+    words = jnp.asarray(np.concatenate([[7], tables.ravel(), np.asarray(batch.context_lens, np.int32)]))
+
+    @jax.jit
+    def run(q, pages, words):
+        tables_view = words[1:1 + tables.size].reshape(tables.shape)
+        return mla_decode_mgpu(q, pages, tables_view, words[1 + tables.size:], scale=SCALE, splits=2)
+
+    o, lse = run(jnp.asarray(batch.q, jnp.bfloat16), pages, words)
+    want_o, want_lse = reference(batch, pages)
+    np.testing.assert_allclose(np.asarray(o, np.float32), want_o, **O_TOL)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
+
+
 def test_default_splits_fill_one_wave_without_empty_splits():
     assert default_splits(16, 1, 512) == 8  # batch 16, H=32, 32K context in 64-key steps: 128 CTAs
     assert default_splits(64, 2, 512) == 1  # batch 64, H=96: 128 CTAs already
@@ -105,12 +126,12 @@ def test_kernel_lowers_for_cuda(num_heads, stages):
 
 
 def _routed_case(rng, monkeypatch):
-    """A decode batch (one query token per sequence, the last sequence the batch's padding: empty context) over
-    64-token pages, with the short-context threshold lowered so that the small batch counts as long."""
+    """A decode batch (one query token of 32 heads per sequence, the last sequence the batch's padding: empty
+    context) over 64-token pages, with the short-context threshold lowered so that the small batch counts as long."""
     from pallas_kernels.mla import attention
 
     monkeypatch.setattr(attention, "SHORT_KV_TOKENS", 64)
-    return decode_batch(rng, [150, 70, 0], 16, 64)
+    return decode_batch(rng, [150, 70, 0], 32, 64)
 
 
 def test_decode_steps_route_to_the_mgpu_kernel(rng, monkeypatch):
@@ -145,7 +166,8 @@ def test_decode_steps_route_to_the_mgpu_kernel(rng, monkeypatch):
 
 def test_mgpu_decode_fits_only_its_contract(rng, monkeypatch):
     """fp8 pages, f32 pages or queries, 16-token pages, other latent widths, more than 8 query tokens, a row count
-    that is not N * q_len, and short batches (the Triton kernel's short-context tiling) keep the Triton kernel."""
+    that is not N * q_len, fewer than 32 (token, head) rows per sequence, and short batches (the Triton kernel's
+    short-context tiling) keep the Triton kernel."""
     from pallas_kernels.mla import attention, mgpu_decode_fits
 
     batch = _routed_case(rng, monkeypatch)
@@ -162,5 +184,7 @@ def test_mgpu_decode_fits_only_its_contract(rng, monkeypatch):
     assert not fits(q=q[:2])
     assert not fits(q=jnp.repeat(q, 9, axis=0), q_len=9)
     assert fits(q=jnp.repeat(q, 8, axis=0), q_len=8)
+    assert not fits(q=q[:, :12])  # 12 heads: fewer rows than MIN_ROWS, where the Triton kernel is faster
+    assert fits(q=jnp.repeat(q[:, :12], 3, axis=0), q_len=3)  # 3 verified tokens x 12 heads = 36 rows
     monkeypatch.setattr(attention, "SHORT_KV_TOKENS", 3 * tables.shape[1] * 64)
     assert not fits()
