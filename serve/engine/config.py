@@ -25,7 +25,8 @@ class EngineConfig:
     max_model_len              prompt + output tokens per request (min(model limit, 2048 / 32768))
     max_num_seqs               sequences per step (16 / 128)
     max_num_batched_tokens     tokens per step, the chunked-prefill budget (256 / 4096)
-    block_size                 tokens per MLA page, the prefix-match unit
+    block_size                 tokens per MLA page, the prefix-match unit (16 / 64: long-context decode on a
+                               Hopper GPU takes the Mosaic-GPU MLA kernel, which steps 64 keys of one page)
     enable_prefix_caching      share pages and restore KDA checkpoints (on by default)
     prefix_cache_retention_interval   also checkpoint KDA state every this many tokens (0 = prompt ends only)
     max_checkpoints_per_seq    checkpoint exports one sequence may do in one step (static width Pc)
@@ -47,7 +48,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     enable_prefix_caching: bool = True
     prefix_cache_retention_interval: int = 0
     max_checkpoints_per_seq: int = 4
@@ -81,7 +82,7 @@ class EngineConfig:
         max_num_seqs = self.max_num_seqs or (128 if gpu else 16)
         max_tokens = self.max_num_batched_tokens or max(4096 if gpu else 256, max_num_seqs)
         cfg = dataclasses.replace(
-            self, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+            self, block_size=self.block_size or (64 if gpu else 16), max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
             num_checkpoint_slots=(self.num_checkpoint_slots if self.num_checkpoint_slots is not None
                                   else max_num_seqs if self.enable_prefix_caching else 0),
             compile_threads=self.compile_threads or 0)

@@ -47,8 +47,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget of one step, the chunked-prefill budget (default: 256 CPU, 4096 GPU)")
     engine.add_argument("--block-size", type=int, default=None,
-                        help="tokens per MLA page, the prefix-match unit (default: 16); a multiple of 64 lets "
-                             "long-context decode on a GPU take the Mosaic-GPU MLA kernel")
+                        help="tokens per MLA page, the prefix-match unit (default: 16 on CPU, 64 on GPU); a multiple "
+                             "of 64 lets long-context decode on a GPU take the Mosaic-GPU MLA kernel")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share MLA pages and restore KDA checkpoints across requests (default: on)")
     engine.add_argument("--prefix-cache-retention-interval", type=int, default=0,

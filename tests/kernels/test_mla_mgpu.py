@@ -82,8 +82,7 @@ def test_layer_of_stacked_pages_and_bad_arguments(rng):
 
 def test_tables_sliced_from_a_packed_buffer(rng):
     """Block tables and context lengths that are unaligned slices of one int32 buffer (as the engine's packed step
-    words are) inside a jit: on the GPU, Mosaic-GPU's custom call rejects operands off a 256-byte boundary unless
-    the kernel gives them buffers of their own."""
+    words are) inside a jit give the reference's result."""
     batch = decode_batch(rng, [150, 70], 32, 64)
     pages = jnp.asarray(batch.pages, jnp.bfloat16)
     tables = np.asarray(batch.block_tables, np.int32)
@@ -98,6 +97,29 @@ def test_tables_sliced_from_a_packed_buffer(rng):
     want_o, want_lse = reference(batch, pages)
     np.testing.assert_allclose(np.asarray(o, np.float32), want_o, **O_TOL)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_index_operands_are_computed_buffers():
+    """Mosaic-GPU's custom call rejects operands off a 256-byte boundary, and XLA may hand a custom call a slice of
+    a larger buffer in place: the 27-layer engine's batch-64 warm-up failed so with 64-token pages (session 14;
+    a small graph like the test above did not reproduce it on the H200). The kernel's block-table and
+    context-length operands must therefore be results of a computation (a max with 0), never slices or
+    reshapes of its inputs: checked in the CUDA lowering."""
+    import re
+
+    from jax import export
+
+    S = jax.ShapeDtypeStruct
+
+    def run(q, pages, words):
+        return mla_decode_mgpu(q, pages, words[1:129].reshape(16, 8), words[129:145], scale=SCALE, interpret=False)
+
+    module = export.export(jax.jit(run), platforms=["cuda"])(
+        S((16, 32, WIDTH), jnp.bfloat16), S((64, 64, WIDTH), jnp.bfloat16), S((200,), jnp.int32)).mlir_module()
+    call = re.search(r"custom_call @mosaic_gpu\w*\((%\w+), (%\w+), (%\w+), (%\w+)\)", module)
+    assert call is not None
+    for name in call.groups()[2:]:
+        assert re.search(rf"{name} = stablehlo\.maximum ", module), f"operand {name} is not a computed buffer"
 
 
 def test_default_splits_fill_one_wave_without_empty_splits():

@@ -122,10 +122,13 @@ def test_engine_config_defaults_and_validation():
     cpu = EngineConfig().resolve(SMALL, gpu=False)
     assert (cpu.max_model_len, cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 16, 256)
     assert cpu.buckets.tokens == (64, 256) and cpu.buckets.seqs == (16,) and cpu.buckets.pages == (4,)
+    assert cpu.block_size == 16
     gpu = EngineConfig(max_num_seqs=64, max_num_batched_tokens=1024).resolve(SMALL.replace(
         max_position_embeddings=4096), gpu=True)
     assert gpu.buckets.tokens == (16, 64, 256, 1024) and gpu.buckets.seqs == (1, 4, 16, 64)
-    assert gpu.buckets.pages == (16, 64, 256) and gpu.num_checkpoint_slots == 64
+    # 64-token pages on a GPU (the Mosaic-GPU MLA decode steps 64 keys of one page): 4096 tokens = 64 pages
+    assert gpu.block_size == 64 and gpu.buckets.pages == (16, 64) and gpu.num_checkpoint_slots == 64
+    assert EngineConfig(block_size=16).resolve(SMALL, gpu=True).block_size == 16
     for bad, field in [(dict(kv_cache_dtype="fp16"), "kv_cache_dtype"), (dict(max_model_len=65), "max_model_len"),
                        (dict(max_num_batched_tokens=100, token_buckets=(16, 64)), "bucket"),
                        (dict(max_num_seqs=32, max_num_batched_tokens=16), "max_num_batched_tokens")]:
