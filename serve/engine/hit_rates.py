@@ -18,6 +18,10 @@ import numpy as np
 from serve.engine.sampling_params import SamplingParams
 
 
+WORKLOAD_UNIT = 16
+"""Tokens that the script's prompt lengths are multiples of (a 328-token system prompt, 128-token first turns)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class HitRate:
     queries: int
@@ -111,9 +115,10 @@ def main(argv: list[str] | None = None) -> None:
                                              block_size=bs, prefix_cache_retention_interval=args.retention_interval,
                                              token_buckets=(64, 512), seq_buckets=(8,)))
     engine = LLMEngine(runner)
-    system = shared_system_prompt(engine, num_requests=32, system_len=20 * bs + bs // 2, suffix_len=(4, 40),
+    unit = WORKLOAD_UNIT  # the workloads do not change with --block-size, so block sizes compare on one workload
+    system = shared_system_prompt(engine, num_requests=32, system_len=20 * unit + unit // 2, suffix_len=(4, 40),
                                   max_tokens=8, wave=8)
-    chat = multi_turn_chat(engine, num_conversations=8, num_turns=4, first_len=8 * bs, user_len=2 * bs,
+    chat = multi_turn_chat(engine, num_conversations=8, num_turns=4, first_len=8 * unit, user_len=2 * unit,
                            max_tokens=16)
     print(f"shared system prompt: {system.hits}/{system.queries} prompt tokens from cache = {system.rate:.1%}")
     print(f"multi-turn chat:      {chat.hits}/{chat.queries} prompt tokens from cache = {chat.rate:.1%}")
