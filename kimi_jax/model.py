@@ -93,8 +93,9 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache).
 
     ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
-    ("absorbed" or "unabsorbed", the same function; see kimi_jax.layers.mla); ``finite_pages``: the MLA pool
-    holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode; see ``mla_layer``)."""
+    ("absorbed", "unabsorbed", or "auto" from the step's shapes: the same function; see kimi_jax.layers.mla);
+    ``finite_pages``: the MLA pool holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode;
+    see ``mla_layer``)."""
     cfg = model.config
     layout = token_layout(step)
     x = model.embed[step.token_ids]

@@ -45,6 +45,31 @@ class MLAStack(nnx.Module):
         self.o_proj = fan_in_normal(rngs, (n, h * cfg.v_head_dim, d), dtype)
 
 
+UNABSORBED_MIN_ROWS_PER_SEQ = 16
+"""``form="auto"`` takes the un-absorbed form for steps with at least this many rows per sequence of the bucket.
+Measured on the H200 (BENCHMARKS.md, MLA section, H=96, 8K new tokens): the absorbed kernel reaches 60 TFLOP/s of
+its 2176 FLOPs per (row, key, head) and the un-absorbed kernel 337 TFLOP/s of its 640, while the up-projection of
+the gathered keys costs 2 x 512 x 256 FLOPs per (key, head) at the GEMM rate (~600 TFLOP/s). The un-absorbed form
+then wins once rows exceed ~13 per gathered key span: more than 13 rows per sequence when each sequence's keys
+are its table's."""
+UNABSORBED_MAX_KEYS_PER_ROW = 4
+"""... and whose gathered keys (sequences x table pages x page size, static) are at most this many per row: the
+gather and the up-projection materialise ``[keys, 576]`` and ``[keys, H, 256]`` (a 4096-token step: 16K keys,
+0.5 GB at H=32 in fp32, 1.6 GB at H=96), so they stay a few times the step's own activations; an 8K prompt in
+4096-token chunks fits. Longer tables keep the absorbed kernel, which reads the pages in place."""
+
+
+def choose_form(step: StepInputs, block_size: int) -> str:
+    """``form="auto"``'s static choice for a step's shapes: "unabsorbed" for prefill-sized steps whose gathered
+    keys stay bounded (see the two constants above), else "absorbed" (every decode-only step)."""
+    rows, (num_seqs, table_pages) = step.token_ids.shape[0], step.block_tables.shape
+    keys = num_seqs * table_pages * block_size
+    if (not step.decode_only and rows >= UNABSORBED_MIN_ROWS_PER_SEQ * num_seqs
+            and keys <= UNABSORBED_MAX_KEYS_PER_ROW * rows):
+        return "unabsorbed"
+    return "absorbed"
+
+
 def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
               layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None, form: str = "absorbed",
               finite_pages: bool = True) -> tuple[jax.Array | PartialSum, jax.Array, jax.Array | None]:
@@ -53,10 +78,10 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written);
     scales [L_mla, num_blocks, block_size] f32 for an e4m3 ``pages`` (per-token quantisation), else None
     -> (out [T, D] or a :class:`PartialSum` of o_proj's split-K parts, pages, scales). ``form``: "absorbed"
-    (queries move to the latent space; decode) or "unabsorbed" (the cached latents of each sequence are gathered
-    and up-projected to per-head keys/values; prefill). ``finite_pages``: every page row holds a finite value
-    (False under the engine's NaN test mode); with it, decode-only steps may take the Mosaic-GPU attention kernel
-    (``mla_paged_attention``'s ``decode_q_len``)."""
+    (queries move to the latent space; decode), "unabsorbed" (the cached latents of each sequence are gathered
+    and up-projected to per-head keys/values; prefill) or "auto" (:func:`choose_form` from the step's shapes).
+    ``finite_pages``: every page row holds a finite value (False under the engine's NaN test mode); with it,
+    decode-only steps may take the Mosaic-GPU attention kernel (``mla_paged_attention``'s ``decode_q_len``)."""
     t_rows = x.shape[0]
     h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -74,6 +99,8 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
 
     scale = (kn + kr) ** -0.5
     total = step.context_lens + layout.q_lens
+    if form == "auto":
+        form = choose_form(step, pages.shape[2])
     if form == "unabsorbed":
         cu_kv = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
         num_keys = step.block_tables.shape[0] * step.block_tables.shape[1] * pages.shape[2]

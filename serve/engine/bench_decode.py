@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
+    parser.add_argument("--unabsorbed-min-rows", type=int, default=-1,
+                        help="rows per sequence from which prefill steps take the un-absorbed MLA form "
+                             "(kimi_jax.layers.mla.UNABSORBED_MIN_ROWS_PER_SEQ; 1000000: never, the A/B's base)")
     parser.add_argument("--fuse-shared-expert", action="store_true",
                         help="run the shared expert as one more row of the routed expert launches at decode "
                              "(kimi_jax.layers.ffn.FUSE_SHARED_EXPERT; bf16 experts without a latent projection)")
@@ -144,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
     if args.skinny_rows >= 0:
         common.SKINNY_MAX_ROWS = args.skinny_rows
+    if args.unabsorbed_min_rows >= 0:
+        from kimi_jax.layers import mla
+
+        mla.UNABSORBED_MIN_ROWS_PER_SEQ = args.unabsorbed_min_rows
     if args.fuse_shared_expert:
         from kimi_jax.layers import ffn
 

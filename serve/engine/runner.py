@@ -111,7 +111,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
     step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, cache = forward(model, cache, step, impl=impl, finite_pages=finite_pages)
+    hidden, cache = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages)
     logits = compute_logits(model, hidden)  # [N, vocab] f32
     rows = logits.shape[0]
     if greedy_only:

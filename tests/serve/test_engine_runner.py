@@ -12,6 +12,7 @@ also asserts that nothing compiled after warm-up.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -134,6 +135,26 @@ def test_engine_config_defaults_and_validation():
                        (dict(max_num_seqs=32, max_num_batched_tokens=16), "max_num_batched_tokens")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**bad).resolve(SMALL, gpu=False)
+
+
+def test_prefill_steps_take_the_unabsorbed_mla_form_and_match(reference, monkeypatch):
+    """Buckets of >= 16 rows per sequence with a short table take the un-absorbed MLA form (``mla_form="auto"``);
+    the engine's greedy outputs stay the reference's (the absorbed form, contiguous cache), prefix hits included."""
+    from kimi_jax.layers import mla
+
+    chosen = []
+    real = mla.choose_form
+    monkeypatch.setattr(mla, "choose_form", lambda step, bs: chosen.append(
+        (step.token_ids.shape[0], step.block_tables.shape[0], real(step, bs))) or chosen[-1][2])
+    runner = ModelRunner(shared_lm(), dataclasses.replace(RUNNER_CONFIG, seq_buckets=(2, 8)))
+    forms = {(t, n): form for t, n, form in chosen}
+    assert forms[(64, 2)] == "unabsorbed" and forms[(16, 2)] == forms[(64, 8)] == forms[(2, 2)] == "absorbed"
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=64))
+    add_all(engine, sorted(PROMPTS), greedy())
+    done = run(engine)
+    assert {name: done[name].outputs[0].token_ids for name in PROMPTS} == reference
+    assert engine.stats().prefix_cache_hits > 0
+    assert_pools_free(engine)
 
 
 def test_buckets_padding_and_warm_up(reference):
