@@ -151,6 +151,24 @@ def test_unabsorbed_mla_form_matches_absorbed(lm, rng):
     assert rel(got, want) < 1e-4
 
 
+def test_pallas_unabsorbed_prefill_matches_reference(lm, rng):
+    """The engine's prefill form with the Pallas kernels (interpret mode: the MLA prefill flash kernel over the
+    gathered latents, a padding sequence in the step): one sequence continuing over its cached context, one new,
+    equals the reference ops in the absorbed form, both chunks and the caches they leave."""
+    pallas = KimiLM(lm.model, impl="pallas", mla_form="unabsorbed")
+    a, b = (rng.integers(0, lm.config.vocab_size, n).tolist() for n in (12, 6))
+    tables = [[1, 2, 3, 4], [5, 6]]
+    first = make_step([a[:7]], [0], tables=tables[:1], slots=[1])
+    want, cache_ref = run(lm, new_cache(lm), first)
+    got, cache_pallas = run(pallas, new_cache(lm), first)
+    assert rel(got, want) < 1e-4
+    second = make_step([a[7:], b], [7, 0], tables=tables, slots=[1, 2])
+    want, cache_ref = run(lm, cache_ref, second)
+    got, cache_pallas = run(pallas, cache_pallas, second)
+    assert rel(got, want) < 1e-4
+    assert rel(cache_pallas.mla, cache_ref.mla) < 1e-5 and rel(cache_pallas.kda_state, cache_ref.kda_state) < 1e-4
+
+
 def test_decode_only_fast_path_matches_chunked_path(lm, rng):
     """decode_only steps run the fused single-token KDA op; it must equal the chunked path token for token."""
     ids = rng.integers(0, lm.config.vocab_size, 9).tolist()
