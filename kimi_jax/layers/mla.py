@@ -59,13 +59,13 @@ gather and the up-projection materialise ``[keys, 576]`` and ``[keys, H, 256]`` 
 4096-token chunks fits. Longer tables keep the absorbed kernel, which reads the pages in place."""
 
 
-def choose_form(step: StepInputs, block_size: int) -> str:
-    """``form="auto"``'s static choice for a step's shapes: "unabsorbed" for prefill-sized steps whose gathered
-    keys stay bounded (see the two constants above), else "absorbed" (every decode-only step)."""
-    rows, (num_seqs, table_pages) = step.token_ids.shape[0], step.block_tables.shape
-    keys = num_seqs * table_pages * block_size
+def choose_form(step: StepInputs, num_keys: int) -> str:
+    """``form="auto"``'s static choice for a step's shapes (``num_keys``: the un-absorbed form's gathered keys,
+    sequences x table pages x page size): "unabsorbed" for prefill-sized steps whose gather stays bounded (see the
+    two constants above), else "absorbed" (every decode-only step)."""
+    rows, num_seqs = step.token_ids.shape[0], step.block_tables.shape[0]
     if (not step.decode_only and rows >= UNABSORBED_MIN_ROWS_PER_SEQ * num_seqs
-            and keys <= UNABSORBED_MAX_KEYS_PER_ROW * rows):
+            and num_keys <= UNABSORBED_MAX_KEYS_PER_ROW * rows):
         return "unabsorbed"
     return "absorbed"
 
@@ -99,11 +99,11 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
 
     scale = (kn + kr) ** -0.5
     total = step.context_lens + layout.q_lens
+    num_keys = step.block_tables.shape[0] * step.block_tables.shape[1] * pages.shape[2]  # the gather's, static
     if form == "auto":
-        form = choose_form(step, pages.shape[2])
+        form = choose_form(step, num_keys)
     if form == "unabsorbed":
         cu_kv = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
-        num_keys = step.block_tables.shape[0] * step.block_tables.shape[1] * pages.shape[2]
         keys = mla_ops.gather_latent(pages, step.block_tables, cu_kv, num_keys, page_scales=scales,
                                      layer=j)  # [S, R+Kr]
         w_kv = p.kv_b[j].reshape(r, h, kn + vd)  # per head: Kn columns of W_UK, then V of W_UV

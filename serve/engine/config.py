@@ -82,7 +82,8 @@ class EngineConfig:
         max_num_seqs = self.max_num_seqs or (128 if gpu else 16)
         max_tokens = self.max_num_batched_tokens or max(4096 if gpu else 256, max_num_seqs)
         cfg = dataclasses.replace(
-            self, block_size=self.block_size or (64 if gpu else 16), max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+            self, block_size=self.block_size or (64 if gpu else 16), max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
             num_checkpoint_slots=(self.num_checkpoint_slots if self.num_checkpoint_slots is not None
                                   else max_num_seqs if self.enable_prefix_caching else 0),
             compile_threads=self.compile_threads or 0)

@@ -144,8 +144,8 @@ def test_prefill_steps_take_the_unabsorbed_mla_form_and_match(reference, monkeyp
 
     chosen = []
     real = mla.choose_form
-    monkeypatch.setattr(mla, "choose_form", lambda step, bs: chosen.append(
-        (step.token_ids.shape[0], step.block_tables.shape[0], real(step, bs))) or chosen[-1][2])
+    monkeypatch.setattr(mla, "choose_form", lambda step, keys: chosen.append(
+        (step.token_ids.shape[0], step.block_tables.shape[0], real(step, keys))) or chosen[-1][2])
     runner = ModelRunner(shared_lm(), dataclasses.replace(RUNNER_CONFIG, seq_buckets=(2, 8)))
     forms = {(t, n): form for t, n, form in chosen}
     assert forms[(64, 2)] == "unabsorbed" and forms[(16, 2)] == forms[(64, 8)] == forms[(2, 2)] == "absorbed"
