@@ -222,7 +222,7 @@ def test_fp8_cache_equals_quantise_dequantise_emulation(lm, rng, monkeypatch):
     assert rel(absorbed, emulated) < 1e-5
 
 
-@pytest.mark.parametrize("split_v,skinny_rows", [(None, 0), (4, 64), (64, 8)])  # (64, 8): the defaults; 64 > V
+@pytest.mark.parametrize("split_v,skinny_rows", [(None, 0), (4, 64), (64, 8)])  # (64, 8): the split-V defaults; 64 > V
 def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v, skinny_rows):
     """A decode_only step with every Pallas kernel (interpret mode: fused or split-V KDA decode over the stacked
     state pools, absorbed MLA, grouped expert GEMMs, and with ``skinny_rows`` every dense projection through the
@@ -233,6 +233,7 @@ def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v, ski
     import pallas_kernels.mxfp4 as gemm_ops
 
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", split_v)
+    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 0)  # split_v decides, whatever the batch
     monkeypatch.setattr(common, "SKINNY_MAX_ROWS", skinny_rows)
     dense_calls = []
     grouped = gemm_ops.grouped_matmul_concat

@@ -20,20 +20,21 @@ __all__ = ["chunk_kda", "chunk_kda_reference", "decode_split_v", "fused_recurren
 
 MAX_VERIFY_TOKENS = 8
 DECODE_SPLIT_V: int | None = 64
-"""Widest ``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` (None: the single-program
-fused kernel); :func:`decode_split_v` narrows it for small batches. Chosen by the H200 decode sweep of
-``kda/bench.py`` (BENCHMARKS.md); ``bench_decode --kda-split-v`` sets it for an engine run."""
-DECODE_MIN_PROGRAMS = 128  # about one per SM of the H200
+"""``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` past :data:`FUSED_DECODE_MAX_ROWS`
+(None: always the single-program fused kernel). Chosen by the H200 decode sweep of ``kda/bench.py``
+(BENCHMARKS.md); ``bench_decode --kda-split-v`` sets it for an engine run."""
+FUSED_DECODE_MAX_ROWS = 512
+"""Decode steps with at most this many (sequence, value head) rows take the single-program fused kernel (one
+launch, one program per (sequence, head) owning its whole state and conv channels). H200, H=32, fp32 pool,
+device us per step (session 15): fused (V columns, 4 warps) against split-V 32 + its epilogue: batch 1 5.4 / 7.0,
+2 5.9 / 7.5, 4 8.6 / 11.5, 8 13.2 / 17.1, 16 24.7 / 30.2 (split 64: 29.8). Larger batches keep the split-V
+kernel measured best there in session 6 (B=64)."""
 
 
-def decode_split_v(num_seqs: int, num_v_heads: int, v_dim: int) -> int | None:
-    """The decode step's ``split_v``: :data:`DECODE_SPLIT_V`, halved (down to 32 columns) while the batch would
-    give fewer than :data:`DECODE_MIN_PROGRAMS` programs. H200 probe (session 8, H=32, all kernels of the op):
-    batch 1 10.0 us at 64 columns, 9.2 at 32, 9.8 at 16; batch 4 and 16 fastest at 64."""
-    split = DECODE_SPLIT_V
-    while split is not None and split > 32 and num_seqs * num_v_heads * (v_dim // split) < DECODE_MIN_PROGRAMS:
-        split //= 2
-    return split
+def decode_split_v(num_seqs: int, num_v_heads: int) -> int | None:
+    """The decode step's ``split_v``: None (the fused kernel) up to :data:`FUSED_DECODE_MAX_ROWS` rows of
+    ``num_seqs * num_v_heads``, else :data:`DECODE_SPLIT_V`."""
+    return None if num_seqs * num_v_heads <= FUSED_DECODE_MAX_ROWS else DECODE_SPLIT_V
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, checkpoint_positions=None,

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kda-split-v", type=int, default=-1,
                         help="KDA decode: split each state over programs of this many V columns (0: one fused "
                              "program per head; default: pallas_kernels.kda.DECODE_SPLIT_V)")
+    parser.add_argument("--kda-fused-max-rows", type=int, default=-1,
+                        help="KDA decode: steps with at most this many (sequence, value head) rows take the fused "
+                             "one-launch kernel (default: pallas_kernels.kda.FUSED_DECODE_MAX_ROWS; 0: never)")
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.kda_split_v >= 0:
         kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
+    if args.kda_fused_max_rows >= 0:
+        kda_ops.FUSED_DECODE_MAX_ROWS = args.kda_fused_max_rows
     if args.skinny_rows >= 0:
         common.SKINNY_MAX_ROWS = args.skinny_rows
     if args.unabsorbed_min_rows >= 0:

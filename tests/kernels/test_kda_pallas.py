@@ -177,18 +177,19 @@ def test_decode_reads_layer_row_of_stacked_weights(split_v):
         assert_close(a, b, FP32_TOL, name)
 
 
-def test_decode_split_v_narrows_for_small_batches(monkeypatch):
-    """Batch 1 of 32 heads gives 64 programs at 64 columns: halved to 32 columns (128 programs); batch 4 keeps 64;
-    never below 32 columns, and None (the single-program kernel) stays None."""
+def test_decode_takes_the_fused_kernel_up_to_its_row_limit(monkeypatch):
+    """Up to FUSED_DECODE_MAX_ROWS (sequence, value head) rows the decode step takes the fused kernel (None),
+    past it DECODE_SPLIT_V; a limit of 0 always splits, and DECODE_SPLIT_V = None never does."""
     from pallas_kernels import kda as kda_ops
 
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", 64)
-    assert [kda_ops.decode_split_v(n, 32, 128) for n in (1, 2, 4, 64)] == [32, 64, 64, 64]
-    assert kda_ops.decode_split_v(1, 2, 16) == 32
-    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", 16)
-    assert kda_ops.decode_split_v(1, 2, 16) == 16
+    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 512)
+    assert [kda_ops.decode_split_v(n, 32) for n in (1, 16, 17, 64)] == [None, None, 64, 64]
+    assert [kda_ops.decode_split_v(n, 96) for n in (5, 6)] == [None, 64]
+    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 0)
+    assert kda_ops.decode_split_v(1, 32) == 64
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", None)
-    assert kda_ops.decode_split_v(1, 32, 128) is None
+    assert kda_ops.decode_split_v(64, 32) is None
 
 
 @pytest.mark.parametrize("scale", [0.3, 1.0, 3.0])
