@@ -183,9 +183,9 @@ def test_decode_takes_the_fused_kernel_up_to_its_row_limit(monkeypatch):
     from pallas_kernels import kda as kda_ops
 
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", 64)
-    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 512)
-    assert [kda_ops.decode_split_v(n, 32) for n in (1, 16, 17, 64)] == [None, None, 64, 64]
-    assert [kda_ops.decode_split_v(n, 96) for n in (5, 6)] == [None, 64]
+    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 2048)
+    assert [kda_ops.decode_split_v(n, 32) for n in (1, 16, 64, 65, 256)] == [None, None, None, 64, 64]
+    assert [kda_ops.decode_split_v(n, 96) for n in (21, 22)] == [None, 64]
     monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 0)
     assert kda_ops.decode_split_v(1, 32) == 64
     monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", None)
