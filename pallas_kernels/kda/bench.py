@@ -12,7 +12,8 @@ checks (nothing is timed while the children run); (3) with the GPU to itself: ou
 autotuning, now only benchmarking), then the XLA reference timings. The JSON is rewritten after every row,
 so a timeout keeps what was measured.
 
-Usage (repo root, GPU machine): ``PYTHONPATH=. python3 pallas_kernels/kda/bench.py [--suite quick|full]``.
+Usage (repo root, GPU machine): ``PYTHONPATH=. python3 pallas_kernels/kda/bench.py [--suite quick|decode|full]``
+(``decode``: the full suite's decode cases alone; decode rows also record each variant's profiler device time).
 Writes ``kda_bench.json`` under ``$OUT`` (or the cwd) and prints a table.
 """
 
@@ -305,7 +306,11 @@ class DecodeCase:
                 return pools[1]
 
             self.row[label] = time_jax(run, iters=50 if impl == "pallas" else 10)
-            print(f"{self.name}: {impl} {label} {self.row[label] * 1e6:.1f} us", flush=True)
+            device = ""
+            if impl == "pallas":  # the kernels' profiler time: batch 1 is dispatch-bound in wall-clock time
+                self.row[f"{label[:-2]}_device_us"] = sum(kernel_split_us(run, (), 10).values())
+                device = f", device {self.row[f'{label[:-2]}_device_us']:.1f} us"
+            print(f"{self.name}: {impl} {label} {self.row[label] * 1e6:.1f} us{device}", flush=True)
 
     def time_fla(self):
         import torch
@@ -410,6 +415,12 @@ def _errors(row) -> str:
             + (f"  FLA ERROR {row['fla_error'][:100]}" if "fla_error" in row else ""))
 
 
+def _best_split_device_us(row) -> float:
+    """The fastest split-V variant's profiler time in a decode row (NaN if none was timed)."""
+    return min((v for k, v in row.items() if k.startswith("ours_split") and k.endswith("_device_us")),
+               default=float("nan"))
+
+
 def print_table(ceilings, rows):
     bw, mm = ceilings.get("copy_bytes_per_s", float("nan")), ceilings.get("bf16_matmul_flops", float("nan"))
     nan = float("nan")
@@ -426,7 +437,7 @@ def print_table(ceilings, rows):
               f"{r.get('err_vs_fla_o', nan):9.1e}{r.get('err_vs_ref_o', nan):9.1e}"
               + _errors(r))
     print(f"{'decode':<24}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'Ktok/s':>8}{'TB/s':>8}{'%copy':>7}"
-          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}")
+          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}{'dev us':>8}{'split dev':>10}")
     for r in rows:
         if r["kind"] != "decode":
             continue
@@ -435,7 +446,7 @@ def print_table(ceilings, rows):
         print(f"{name:<24}{ours * 1e6:9.1f}{fla * 1e6:9.1f}{xla * 1e6:9.1f}{fla / ours:7.2f}{r['B'] / ours / 1e3:8.1f}"
               f"{r['state_bytes'] / ours / 1e12:8.2f}{100 * r['state_bytes'] / ours / bw:7.0f}"
               f"{r['state_bytes'] / fla / 1e12:9.2f}{100 * r['state_bytes'] / fla / bw:7.0f}"
-              f"{r.get('err_vs_ref_y', nan):9.1e}"
+              f"{r.get('err_vs_ref_y', nan):9.1e}{r.get('ours_device_us', nan):8.1f}{_best_split_device_us(r):10.1f}"
               + _errors(r))
 
 
@@ -445,6 +456,9 @@ def suite_cases(suite, rng):
         return [("tiny", [100, 28], 2, 2, LOWER_BOUND, True)], [(2, 2, jnp.float32, True)]
     if suite == "decode-check":
         return [], [(16, 32, jnp.float32, True), (16, 32, jnp.bfloat16, True)]
+    if suite == "decode":  # every decode case of the full suite, no prefill
+        return [], [(b, h, dt, b == 16) for h in (32, 96) for b in (1, 16, 64, 256)
+                    for dt in (jnp.float32, jnp.bfloat16)]
     if suite == "smoke":
         return ([("H32 T8K", [8192], 32, 32, LOWER_BOUND, False)],
                 [(64, 32, jnp.float32, False), (64, 96, jnp.float32, False)])
@@ -464,7 +478,8 @@ def suite_cases(suite, rng):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=("tiny", "decode-check", "smoke", "quick", "full"), default="full")
+    parser.add_argument("--suite", choices=("tiny", "decode-check", "decode", "smoke", "quick", "full"),
+                        default="full")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (its autotuning is slow)")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
     parser.add_argument("--no-checks", action="store_true")
