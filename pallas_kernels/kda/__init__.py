@@ -133,8 +133,9 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
     ``split_v`` (Pallas): spread each state over ``V / split_v`` programs of ``[K, split_v]`` slices
-    (``recurrent.fused_recurrent_kda_split_v_pallas``; the conv shift and gated RMSNorm then run in XLA)
-    instead of one program per (sequence, head) doing everything.
+    (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and conv-state write then run in its
+    epilogue kernel) instead of one program per (sequence, head) doing everything (the model's choice:
+    :func:`decode_split_v`).
     ``layer``: as in :func:`fused_recurrent_kda_verify`.
 
     Returns:
