@@ -48,6 +48,16 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
         c = sum(taps[j] * rows[t + j] for j in range(width))
         return c * jax.nn.sigmoid(c)
 
+    def write_conv_rows(writes):
+        """Each token's next conv rows of the channels in ``writes`` [(offset, rows)] into its output slot."""
+        for t in range(num_tokens):
+            @pl.when(out_slots[t] >= 0)
+            def _():
+                for offset, rows in writes:
+                    for j in range(width - 1):
+                        conv_state_ref[out_slots[t], j, pl.ds(offset, rows[0].shape[0])] = (
+                            rows[t + 1 + j].astype(conv_state_ref.dtype))
+
     qk_width = num_heads * head_dim
     q_rows, q_taps = conv_inputs(head * head_dim, head_dim)
     k_rows, k_taps = conv_inputs(qk_width + head * head_dim, head_dim)
@@ -61,40 +71,49 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
         gs = [jnp.exp(gate_from_logits(g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias,
                                        decay_scale, lower_bound))[:, None] for t in range(num_tokens)]
         betas = [jax.nn.sigmoid(beta_ref[seq, t, hv].astype(jnp.float32)) for t in range(num_tokens)]
-        outs = [[] for _ in range(num_tokens)]  # o of token t, one [block_v] piece per V tile
-        for v0 in range(0, value_dim, block_v):  # V tiles: a [K, block_v] slice of the state at a time
+        num_tiles = value_dim // block_v
+        tile_rows = lax.broadcasted_iota(jnp.int32, (num_tiles, block_v), 0)
+
+        def v_tile(i, outs):
+            """V tile ``i``: a ``[K, block_v]`` slice of the state (the delta rule's V columns are independent)
+            through every token; ``outs[t]`` ``[num_tiles, block_v]`` collects token t's output row by row."""
+            v0 = i * block_v if isinstance(i, int) else pl.multiple_of(i * block_v, block_v)
             v_offset = 2 * qk_width + hv * value_dim + v0
             v_rows, v_taps = conv_inputs(v_offset, block_v)
-            conv_writes.append((v_offset, v_rows))
             cols = pl.ds(v0, block_v)
             state = state_in_ref[slot, hv, :, cols].astype(jnp.float32)  # [K, block_v]
+            new_outs = []
             for t in range(num_tokens):
                 k = ks[t][:, None]
                 state = state * gs[t]
                 error = conv_silu(v_rows, v_taps, t) - jnp.sum(state * k, axis=0)
                 state = state + betas[t] * k * error[None, :]
-                outs[t].append(jnp.sum(state * qs[t][:, None], axis=0))
+                o = jnp.sum(state * qs[t][:, None], axis=0)
+                new_outs.append(jnp.where(tile_rows == i, o[None, :], outs[t]))
 
                 @pl.when(out_slots[t] >= 0)
                 def _():
                     state_ref[out_slots[t], hv, :, cols] = state.astype(state_ref.dtype)
-        for t in range(num_tokens):  # gated RMSNorm over the whole V, written tile by tile
-            inv_rms = lax.rsqrt(sum(jnp.sum(o * o) for o in outs[t]) / value_dim + eps)
-            for v0, o in zip(range(0, value_dim, block_v), outs[t]):
-                cols = pl.ds(hv * value_dim + v0, block_v)
-                gate = jax.nn.sigmoid(gate_ref[seq, t, cols].astype(jnp.float32))
-                norm_w = norm_w_ref[layer, pl.ds(v0, block_v)].astype(jnp.float32)
-                y_ref[seq, t, cols] = (o * inv_rms * norm_w * gate).astype(y_ref.dtype)
+            if num_tiles == 1:
+                conv_writes.append((v_offset, v_rows))  # with q / k's, after the barrier below
+            else:  # this tile's conv channels are read by this iteration only: shift them now
+                if use_barrier:
+                    pltriton.debug_barrier()
+                write_conv_rows([(v_offset, v_rows)])
+            return tuple(new_outs)
+
+        init = tuple(jnp.zeros((num_tiles, block_v), jnp.float32) for _ in range(num_tokens))
+        outs = v_tile(0, init) if num_tiles == 1 else lax.fori_loop(0, num_tiles, v_tile, init)
+        for t in range(num_tokens):  # gated RMSNorm over the whole V
+            inv_rms = lax.rsqrt(jnp.sum(outs[t] * outs[t]) / value_dim + eps)
+            cols = pl.ds(hv * value_dim, value_dim)
+            gate = jax.nn.sigmoid(gate_ref[seq, t, cols].astype(jnp.float32))
+            norm_w = norm_w_ref[layer, :].astype(jnp.float32)
+            y_ref[seq, t, cols] = (outs[t].reshape(value_dim) * inv_rms * norm_w * gate).astype(y_ref.dtype)
 
     if use_barrier:  # every thread has read the old conv rows before any is overwritten (in-place decode)
         pltriton.debug_barrier()
-    for t in range(num_tokens):
-        @pl.when(out_slots[t] >= 0)
-        def _():
-            for offset, rows in conv_writes:
-                for j in range(width - 1):
-                    conv_state_ref[out_slots[t], j, pl.ds(offset, rows[0].shape[0])] = (
-                        rows[t + 1 + j].astype(conv_state_ref.dtype))
+    write_conv_rows(conv_writes)
 
 
 def _full(shape):
@@ -104,11 +123,12 @@ def _full(shape):
 def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
                                eps: float = 1e-5, num_warps: int | None = None, block_v: int | None = None,
-                               layer: int | None = None):
+                               num_stages: int | None = None, layer: int | None = None):
     """Pallas version of :func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` (same arguments
     and returns; K and V powers of 2). The pools are updated in place when donated. ``block_v`` (a power of 2
-    dividing V; default V) walks the ``[K, V]`` state in ``[K, block_v]`` slices, so a program holds a quarter
-    of it in registers at ``block_v = V / 4`` (the state columns are independent in the delta rule).
+    dividing V; default V) walks the ``[K, V]`` state in ``[K, block_v]`` slices by a loop that Triton
+    software-pipelines over ``num_stages`` (default 2; 1 without slices), so a program holds one slice in registers
+    while the next is in flight (the state columns are independent in the delta rule).
     ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks read at row ``layer`` in place
     (see :func:`fused_recurrent_kda_split_v_pallas`). ``num_warps`` defaults to 4 for one token (H200, H=32,
     batch 1-16: 1.4-1.8x faster than 8; session 15) and 8 for verification (not swept)."""
@@ -136,7 +156,8 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         kernel, out_shape=out_shape, grid=(num_seqs, num_heads),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={2: 1, 7: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if num_tokens == 1 else 8), num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if num_tokens == 1 else 8),
+                                                num_stages=num_stages or (1 if block_v == value_dim else 2)),
         interpret=interpret, name="kda_fused_recurrent",
     )(*inputs)
 

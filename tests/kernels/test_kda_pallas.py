@@ -75,6 +75,24 @@ def test_chunk_dense_log_decay_matches_naive():
     assert_close(state, state_ref, FP32_TOL, "final_state")
 
 
+def test_chunk_pairwise_diagonal_over_key_slices_strong_decay():
+    """K=64 (two key slices of the pairwise diagonal block), dense batch of 2, odd length, log-decay as strong as
+    -30 per step (exp(-G) overflows fp32 within a 16-token block, so only the masked pairwise form is exact),
+    initial state; against the token recurrence."""
+    rng = np.random.default_rng(7)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    norm = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    q, k, v = norm(arr(2, 45, 1, 64)), norm(arr(2, 45, 1, 64)), arr(2, 45, 1, 16)
+    g = -jax.nn.softplus(arr(2, 45, 1, 64) * 3.0) * jnp.asarray(rng.uniform(0.0, 10.0, (2, 45, 1, 64)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(size=(2, 45, 1)), jnp.float32)
+    s0 = arr(2, 1, 64, 16)
+    o, state, _ = chunk_kda(q, k, v, g, beta, initial_state=s0, impl="pallas")
+    o_ref, state_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    assert float(jnp.min(g)) < -25.0
+    assert_close(o, o_ref, FP32_TOL, "o")
+    assert_close(state, state_ref, FP32_TOL, "final_state")
+
+
 def recurrent_inputs(seed, num_tokens, state_dtype, heads=2, value_heads=4, dim=16, width=4, slots=7, seqs=3):
     rng = np.random.default_rng(seed)
     channels = 2 * heads * dim + value_heads * dim
