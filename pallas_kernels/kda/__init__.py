@@ -23,13 +23,14 @@ DECODE_SPLIT_V: int | None = 64
 """``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` past :data:`FUSED_DECODE_MAX_ROWS`
 (None: always the single-program fused kernel). Chosen by the H200 decode sweep of ``kda/bench.py``
 (BENCHMARKS.md); ``bench_decode --kda-split-v`` sets it for an engine run."""
-FUSED_DECODE_MAX_ROWS = 2048
+FUSED_DECODE_MAX_ROWS = 8192
 """Decode steps with at most this many (sequence, value head) rows take the single-program fused kernel (one
-launch, one program per (sequence, head) owning its whole state and conv channels). H200, H=32, fp32 pool
-(session 15), fused (V columns, 4 warps) against split-V 32 + its epilogue, device us per step: batch 1 5.4 / 7.0,
-2 5.9 / 7.5, 4 8.6 / 11.5, 8 13.2 / 17.1, 16 24.7 / 30.2 (split 64: 29.8); batch 64, wall us per call of the KDA
-bench: 97.8 against 113.5 for split 64 (bf16 pool 81.0 / 102.9). With 8 warps the fused kernel had lost to
-split-V at batch 64 (session 6). Past 2048 rows (batch 256 at H=32: not yet timed with 4 warps) split-V stays."""
+launch, one program per (sequence, head) owning its whole state and conv channels). H200, H=32, profiler device us
+per step, fused (whole state, 4 warps) against split-V 64 + its epilogue (session 16, fp32 pool): batch 1 5.3 /
+7.3, 16 24.6 / 29.9, 64 89.6 / 97.9, 256 348.8 / 360.4; bf16 pool: batch 64 60.7 / 70.1, 256 220.4 / 247.2.
+Walking the state in pipelined V slices (``block_v`` 32 or 64) was 2-10% slower than the whole state at every
+batch. With 8 warps the fused kernel had lost to split-V at batch 64 (session 6). Past 8192 rows (not timed)
+split-V stays."""
 
 
 def decode_split_v(num_seqs: int, num_v_heads: int) -> int | None:

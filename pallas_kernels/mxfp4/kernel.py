@@ -14,15 +14,17 @@ prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4
 ``weight_format="mxfp4_pairs"`` reads the pair-halves byte order (:func:`kimi_jax.quant.mxfp4.to_pair_halves`):
 per 64 columns, 32 bytes whose low nibbles are one MX block and high nibbles the next. Each block is then
 decoded from one nibble of a ``[block_n, 32]`` byte tile (no interleave of low and high nibbles, no ``[bn, bk]``
-broadcast of the scales) and multiplied by ``x``'s 32 matching columns in its own K=32 dot. With row tiles below
-``SCALE_WEIGHTS_FROM_ROWS`` its scale multiplies the fp32 ``[block_n, block_m]`` product (a power of two: exact,
-and no bf16 subnormal on the way); larger row tiles scale the decoded bf16 weights as the checkpoint order does.
+broadcast of the scales), scaled by its block's E8M0 scale in the decode, and multiplied by ``x``'s 32 matching
+columns in its own K=32 dot accumulating in place.
 
 On the GPU the pair-halves decode is inline PTX: per 4 bytes, two ``prmt`` place bytes
 in the low halves of two bf16 pairs, then per nibble half two ``and`` + two ``shl`` + ``or`` put the 3 magnitude
 bits at bf16 bits 8..6 and the sign at bit 15, which reads as ``E2M1 * 2**-126`` for every code (code 1 as a
-bf16 subnormal), and one ``mul.rn.bf16x2`` by ``2**126`` makes it exact: about 3.3 instructions per weight
-against about 12 for the jnp decode (``weight_format="mxfp4_pairs_jnp"``, and the interpret-mode path).
+bf16 subnormal); one ``mul.rn.bf16x2`` by ``2**126`` makes it exact and a second by the block's scale (an input of
+the asm, a bf16 pair per register) scales it: about 3.5 instructions per weight against about 13 for the jnp
+decode (``weight_format="mxfp4_pairs_jnp"``, and the interpret-mode path). Scaling the weights rather than each
+block's fp32 ``[block_n, block_m]`` product drops a multiply and an add per product element (two per pair of
+weights at 16-row tiles; session 16 SASS count).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.quant.mxfp4 import e8m0_to_float32
 from pallas_kernels.impl import interpret_mode
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
@@ -44,17 +45,17 @@ PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp")
 """Pair-halves formats: inline-PTX decode on the GPU (jnp in interpret mode), and the jnp decode everywhere."""
 SHARED_EXPERT = -1
 """Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
-SCALE_WEIGHTS_FROM_ROWS = 64
-"""Pair-halves row tiles of at least this many rows scale the decoded weights, not each block's product."""
 
 
 def _nibble_ptx(mask: int, magnitude_shift: int, sign_shift: int) -> str:
-    """PTX for one nibble half of 4 packed bytes ($2) -> two bf16 pairs ($0: bytes 0-1, $1: bytes 2-3)."""
+    """PTX for one nibble half of 4 packed bytes ($2) and their block's scale as two bf16 pairs ($3, $4) -> two
+    bf16 pairs ($0: bytes 0-1, $1: bytes 2-3) of scaled weights."""
     magnitude, sign = f"0x{(mask & 0x77) * 0x10001:08X}", f"0x{(mask & 0x88) * 0x10001:08X}"
     halves = []
     for out, selector in ((0, "0x4140"), (1, "0x4342")):
         halves.append(f"prmt.b32 p, $2, z, {selector}; and.b32 v, p, {magnitude}; shl.b32 v, v, {magnitude_shift}; "
-                      f"and.b32 s, p, {sign}; shl.b32 s, s, {sign_shift}; or.b32 v, v, s; mul.rn.bf16x2 ${out}, v, c;")
+                      f"and.b32 s, p, {sign}; shl.b32 s, s, {sign_shift}; or.b32 v, v, s; mul.rn.bf16x2 v, v, c; "
+                      f"mul.rn.bf16x2 ${out}, v, ${3 + out};")
     return "{ .reg .b32 p, v, s, c, z; mov.b32 c, 0x7E807E80; mov.b32 z, 0; " + " ".join(halves) + " }"
 
 
@@ -63,15 +64,17 @@ _HIGH_NIBBLES_PTX = _nibble_ptx(0xF0, 2, 8)  # magnitude bits 6..4 -> 8..6, sign
 # (one asm per half: jax 0.11.2's Triton lowering of elementwise_inline_asm returns a single result)
 
 
-def _decode_nibbles(packed: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
-    """uint8 bytes ``[bn, c]`` -> (bf16 values of the low nibbles, of the high nibbles), each ``[bn, c]``."""
+def _decode_nibbles(packed: jax.Array, scales: tuple[jax.Array, jax.Array], how: str) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes ``[bn, c]`` and the bf16 scales ``[bn]`` of the low and the high nibbles' blocks -> (scaled bf16
+    weights of the low nibbles, of the high nibbles), each ``[bn, c]``. Exact: the E2M1 values times a power of
+    two (IEEE rounding only where the product leaves bf16's normal range)."""
     if how == "asm":
         shape = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
-        return tuple(pltriton.elementwise_inline_asm(ptx, args=[packed], constraints="=r,=r,r", pack=4,
-                                                     result_shape_dtypes=[shape])[0]
-                     for ptx in (_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX))
+        return tuple(pltriton.elementwise_inline_asm(
+            ptx, args=[packed, jnp.broadcast_to(scale[:, None], packed.shape)], constraints="=r,=r,r,r,r", pack=4,
+            result_shape_dtypes=[shape])[0] for ptx, scale in zip((_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX), scales))
     p = packed.astype(jnp.uint16)
-    return e2m1_to_bf16(p & 0xF), e2m1_to_bf16(p >> 4)
+    return tuple(e2m1_to_bf16(codes) * scale[:, None] for codes, scale in zip((p & 0xF, p >> 4), scales))
 
 
 def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
@@ -123,28 +126,21 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
         def pair_products(k, acc):
-            """"mxfp4_pairs": one K=32 dot per MX block. Small row tiles scale the fp32 product by the block's
-            scale (block_m x block_n multiplies, fewer than the block_n x 32 of scaling the weights); tiles of
-            SCALE_WEIGHTS_FROM_ROWS rows or more scale the bf16 weights instead, so that every dot accumulates
-            in place (a separate [block_m, block_n] fp32 product per block spills at 128 x 256)."""
+            """"mxfp4_pairs": per 64 K columns, one ``[block_n, 32]`` byte tile decoded into the scaled weights of
+            two MX blocks (low and high nibbles), each multiplied by ``x``'s 32 matching columns in its own K=32
+            dot accumulating in place."""
             packed_ref, scales_ref = part_refs
             for pair in range(block_k // (2 * MX_BLOCK)):  # static
                 first_byte = pl.multiple_of(k * (block_k // 2) + pair * MX_BLOCK, MX_BLOCK)
                 packed = packed_ref[expert, cols, pl.ds(first_byte, MX_BLOCK)]  # [bn, 32] uint8
-                for half, w in enumerate(_decode_nibbles(packed, pairs_decode)):
-                    block = k * (block_k // MX_BLOCK) + 2 * pair + half
+                first_block = k * (block_k // MX_BLOCK) + 2 * pair
+                scales = tuple(e8m0_to_bf16(scales_ref[expert, cols, first_block + half]) for half in range(2))
+                for half, w in enumerate(_decode_nibbles(packed, scales, pairs_decode)):
+                    block = first_block + half
                     x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
                                       mask=x_mask[:, None], other=0.0)
-                    scale_codes = scales_ref[expert, cols, block]  # [bn] uint8
-                    scale_weights = block_m >= SCALE_WEIGHTS_FROM_ROWS
-                    if scale_weights:
-                        w = w * e8m0_to_bf16(scale_codes)[:, None]
-                    product = jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
-                        x, w.T, preferred_element_type=jnp.float32)
-                    if not scale_weights:
-                        scale = e8m0_to_float32(scale_codes)
-                        product = product * (scale[:, None] if weights_lhs else scale[None, :])
-                    acc = acc + product
+                    acc = acc + (jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
+                        x, w.T, preferred_element_type=jnp.float32))
             return acc
 
         def body(k, acc):

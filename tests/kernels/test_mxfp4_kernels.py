@@ -394,10 +394,11 @@ def test_mxfp4_pairs_kernel_matches_reference(weight_format, layout, extreme):
         grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_pairs", **SMALL_TILES)
 
 
-def run_ptx(ptx: str, word: int) -> list[int]:
+def run_ptx(ptx: str, word: int, scales: tuple[int, int]) -> list[int]:
     """Execute the decode's PTX (mov, prmt, and, shl, or, mul.rn.bf16x2 on .b32 registers) for one input word
-    ``$2``; -> the output registers ``[$0, $1]``. A small interpreter, so the exact asm text is tested on CPU."""
-    regs = {"$2": word}
+    ``$2`` and scale registers ``$3, $4``; -> the output registers ``[$0, $1]``. A small interpreter, so the exact
+    asm text is tested on CPU."""
+    regs = {"$2": word, "$3": scales[0], "$4": scales[1]}
 
     def val(op):
         return regs[op] if op in regs else int(op, 0)
@@ -405,8 +406,10 @@ def run_ptx(ptx: str, word: int) -> list[int]:
     def bf16(bits):
         return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
 
-    def to_bf16_bits(x):  # round to nearest even; the decode's products are exact, so this never rounds here
-        return int(np.array([x], np.float32).view(np.uint32)[0]) >> 16
+    def to_bf16_bits(x):  # the decode's products are exact bf16 values (normal or subnormal): no rounding here
+        bits = int(np.array([x], np.float32).view(np.uint32)[0])
+        assert bits & 0xFFFF == 0, x
+        return bits >> 16
 
     body = ptx.strip()[1:-1].split(";")
     for statement in (s.strip() for s in body if s.strip()):
@@ -437,34 +440,38 @@ def run_ptx(ptx: str, word: int) -> list[int]:
 
 def test_inline_ptx_decode_is_exact_for_every_byte():
     """The pair-halves decode's PTX (interpreted above) maps byte k of a packed word to bf16 element k: E2M1 of
-    its low nibble for one block, of its high nibble for the other, signs and the subnormal code 1 included."""
+    its low nibble for one block, of its high nibble for the other, times the block's scale (a bf16 pair per
+    register, as Triton packs the broadcast scale), signs, the subnormal code 1 and subnormal products included."""
     from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX
 
     rng = np.random.default_rng(7)
     words = [int.from_bytes(bytes([b, 255 - b, (7 * b) % 256, (b + 85) % 256]), "little") for b in range(256)]
     words += [int(w) for w in rng.integers(0, 1 << 32, 64, dtype=np.uint64)]
-    for word in words:
+    codes = [0, 1, 2, 120, 127, 133, 250]  # E8M0 exponents: 2**-127 (a bf16 subnormal) .. 2**123
+    for i, word in enumerate(words):
         data = word.to_bytes(4, "little")
+        code = codes[i % len(codes)]
+        scale_bits = 0x40 if code == 0 else code << 7
         for ptx, nibble in ((_LOW_NIBBLES_PTX, lambda b: b & 0xF), (_HIGH_NIBBLES_PTX, lambda b: b >> 4)):
-            out = run_ptx(ptx, word)
+            out = run_ptx(ptx, word, (scale_bits * 0x10001, scale_bits * 0x10001))
             bits = np.array([(out[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(4)], np.uint32) << 16
             got = bits.view(np.float32)
-            want = E2M1_VALUES[[nibble(b) for b in data]]
+            want = (E2M1_VALUES[[nibble(b) for b in data]].astype(np.float64) * 2.0 ** (code - 127)).astype(np.float32)
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (no GPU needed)")
 def test_inline_ptx_assembles_for_hopper(tmp_path):
-    """The decode's asm, in the operand form Triton gives it (two b32 outputs, one b32 input), compiles for
+    """The decode's asm, in the operand form Triton gives it (two b32 outputs, three b32 inputs), compiles for
     sm_90 with nvcc + ptxas: syntax, operand kinds and the bf16x2 multiply's availability on Hopper."""
     from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX
 
     body = "\n".join(f'  asm volatile("{ptx.replace("$", "%")}" : "=r"(out[{2 * i}]), "=r"(out[{2 * i + 1}]) '
-                     f': "r"(word));' for i, ptx in enumerate((_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX)))
+                     f': "r"(word), "r"(scale), "r"(scale));' for i, ptx in enumerate((_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX)))
     source = tmp_path / "decode.cu"
     source.write_text("#include <cstdint>\n__global__ void decode(const uint32_t* in, uint32_t* o) {\n"
-                      "  uint32_t word = in[threadIdx.x]; uint32_t out[4];\n" + body +
+                      "  uint32_t word = in[threadIdx.x]; uint32_t scale = in[threadIdx.x + 32]; uint32_t out[4];\n" + body +
                       "\n  for (int i = 0; i < 4; ++i) o[4 * threadIdx.x + i] = out[i];\n}\n")
     result = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "decode.o")],
                             capture_output=True, text=True, timeout=120)
