@@ -75,8 +75,8 @@ def test_chunk_dense_log_decay_matches_naive():
     assert_close(state, state_ref, FP32_TOL, "final_state")
 
 
-def test_chunk_pairwise_diagonal_over_key_slices_strong_decay():
-    """K=64 (two key slices of the pairwise diagonal block), dense batch of 2, odd length, log-decay as strong as
+def test_chunk_pairwise_diagonal_wide_keys_strong_decay():
+    """K=64 with the pairwise diagonal block, dense batch of 2, odd length, log-decay as strong as
     -30 per step (exp(-G) overflows fp32 within a 16-token block, so only the masked pairwise form is exact),
     initial state; against the token recurrence."""
     rng = np.random.default_rng(7)
