@@ -198,6 +198,17 @@ def test_tile_config_splits_k_only_when_few_programs_would_run():
     assert "split_k" not in tile_config(8192, 56, 6144, 3584, "mxfp4")
 
 
+def test_tile_config_picks_the_pair_halves_tilings():
+    """The pair-halves order gets its own H200 tilings (x as the MMA's A operand at decode, 64 x 128 x 128 tiles at
+    prefill); the checkpoint order keeps its own."""
+    from pallas_kernels.mxfp4.ops import tile_config
+    decode = tile_config(262, 56, 6144, 3584, "mxfp4_pairs")
+    assert (decode["block_k"], decode.get("weights_lhs", False)) == (256, False)
+    assert tile_config(262, 56, 6144, 3584, "mxfp4")["weights_lhs"]
+    assert tile_config(8212, 56, 6144, 3584, "mxfp4_pairs")["block_m"] == 64
+    assert tile_config(8212, 56, 6144, 3584, "mxfp4")["block_m"] == 128
+
+
 def test_tile_config_short_k_loops_pipeline_three_deep():
     from pallas_kernels.mxfp4.ops import tile_config
     assert tile_config(8, 8, 2304, 1024, "bf16")["num_stages"] == 3  # MoE down projection at decode: 8 K steps
