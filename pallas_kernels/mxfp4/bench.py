@@ -194,12 +194,11 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     case = dict(tokens=tokens, experts=experts, rows=m, experts_touched=touched, n=n, k=k,
                 weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={},
                 mxfp4_pairs={}, mxfp4_pairs_jnp={}, bf16={}, mxfp4_mgpu={})
-    cfgs = with_default(SWEEPS[(regime, "mxfp4")], tile_config(m, experts, n, k, "mxfp4"))
     pairs = to_pair_halves(packed)
-    if SUITE == "mgpu":  # the Triton kernel's default tiling (checkpoint order) and best pair-halves tiling only
-        cfgs = {"default": tile_config(m, experts, n, k, "mxfp4")}
+    mgpu_suite_cfgs = {}
+    if SUITE == "mgpu":  # the Triton kernel's default tiling per byte order (and the old best pair-halves one) only
         if regime == "decode":
-            cfgs["m16n64k256w4s4"] = ALL_CFGS["m16n64k256w4s4"]
+            mgpu_suite_cfgs["m16n64k256w4s4"] = ALL_CFGS["m16n64k256w4s4"]
         prepared = prepare_weights(packed, scales)
         for name, cfg in (MGPU_CFGS if regime == "decode" else MGPU_PREFILL_CFGS).items():
             try:
@@ -211,7 +210,10 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", pairs), ("mxfp4_pairs_jnp", pairs)):
         if SUITE == "mgpu" and fmt == "mxfp4_pairs_jnp":
             continue
-        for name, cfg in cfgs.items():
+        default = tile_config(m, experts, n, k, fmt)  # each format's own default tiling
+        fmt_cfgs = ({**mgpu_suite_cfgs, "default": default} if SUITE == "mgpu"
+                    else with_default(SWEEPS[(regime, "mxfp4")], default))
+        for name, cfg in fmt_cfgs.items():
             if past_deadline(name):
                 continue
             try:
