@@ -12,6 +12,7 @@ from flax import nnx
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers import ffn
 from kimi_jax.layers.ffn import MoEStack, moe
+from kimi_jax.quant import mxfp4
 
 BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kda"), mlp_types=("dense", "moe"),
             num_experts=16, num_experts_per_token=4, moe_intermediate_size=32, num_shared_experts=1,
@@ -77,8 +78,26 @@ def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs,
     np.testing.assert_array_equal(np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32), want)
     got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
-    with pytest.raises(ValueError, match="w1_packed"):
+    with pytest.raises(ValueError, match="w1/w3/w2_packed"):
         ffn.use_pair_halves(stack)
+
+
+def test_pair_halves_conversion_goes_layer_by_layer_in_place(rng):
+    """use_pair_halves converts each MoE layer of a stack into the same buffer: the result equals the whole-stack
+    conversion, layer for layer; a stack whose input widths are not multiples of 64 is refused by name."""
+    cfg = ModelConfig(**{**BASE, "num_layers": 3, "layer_types": ("kda",) * 3, "mlp_types": ("dense", "moe", "moe"),
+                         "moe_intermediate_size": 64}, experts_mxfp4=True)
+    stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    want = {name: np.asarray(mxfp4.to_pair_halves(getattr(stack, f"{name}_packed")[...])) for name in ("w1", "w2")}
+    assert ffn.pair_halves_fit(stack)
+    ffn.use_pair_halves(stack)
+    for name, expected in want.items():
+        assert expected.shape[0] == 2
+        np.testing.assert_array_equal(np.asarray(getattr(stack, f"{name}_pairs")[...]), expected)
+    narrow = MoEStack(ModelConfig(**BASE, experts_mxfp4=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not ffn.pair_halves_fit(narrow) and not ffn.pair_halves_fit(None)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        ffn.use_pair_halves(narrow)
 
 
 @pytest.mark.parametrize("tokens", [1, 13, 80])  # 80 tokens x 4 choices over 16 experts: prefill-sized tiles

@@ -11,6 +11,8 @@ the Mosaic-GPU decode kernel, as ``{w}_mgpu`` / ``{w}_mgpu_scale``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,12 +124,36 @@ def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
             setattr(p, f"{name}_{suffix}", nnx.Param(value))
 
 
+def pair_halves_fit(p: MoEStack | None) -> bool:
+    """Whether ``p`` has MXFP4 routed experts in the checkpoint byte order (``{w}_packed`` parameters) whose
+    input widths are multiples of 64, as the pair-halves order needs."""
+    packed = [getattr(p, f"{name}_packed", None) for name in ("w1", "w3", "w2")] if p is not None else [None]
+    return all(w is not None and (2 * w.shape[-1]) % (2 * mxfp4.BLOCK) == 0 for w in packed)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pair_halves_layer(stack: jax.Array, layer: jax.Array) -> jax.Array:
+    """``stack [L, ...]`` uint8 with layer ``layer`` (int32) re-ordered into the pair-halves order; in place when
+    ``stack`` is donated, so the only temporary is one layer's codes."""
+    one = jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(stack, mxfp4.to_pair_halves(one), layer, 0)
+
+
 def use_pair_halves(p: MoEStack) -> None:
     """Re-order an MXFP4 stack's packed expert bytes into the pair-halves order, in place: ``w1_packed`` becomes
-    ``w1_pairs`` (same shape; :func:`kimi_jax.quant.mxfp4.to_pair_halves`), and so on. The checkpoint names are
-    gone afterwards, so a converted model cannot be written out as if it held checkpoint bytes."""
-    _relayout_experts(p, "use_pair_halves", lambda packed, scale: {"pairs": mxfp4.to_pair_halves(packed),
-                                                                    "scale": scale})
+    ``w1_pairs`` (same shape; :func:`kimi_jax.quant.mxfp4.to_pair_halves`), and so on. One MoE layer at a time
+    into the same (donated) buffer, so the device needs one layer's worth of memory to spare, not a stack's; an
+    outside reference to the old array is invalidated. The checkpoint names are gone afterwards, so a converted
+    model cannot be written out as if it held checkpoint bytes."""
+    if not pair_halves_fit(p):
+        raise ValueError("use_pair_halves needs MXFP4 experts in the checkpoint order (w1/w3/w2_packed) with "
+                         "input widths that are multiples of 64")
+    for name in ("w1", "w3", "w2"):
+        stack = getattr(p, f"{name}_packed")[...]
+        delattr(p, f"{name}_packed")
+        for layer in range(stack.shape[0]):
+            stack = _pair_halves_layer(stack, jnp.int32(layer))
+        setattr(p, f"{name}_pairs", nnx.Param(stack))
 
 
 def use_mgpu_layout(p: MoEStack) -> None:

@@ -78,6 +78,8 @@ def _option_value(text: str) -> bool | int | str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from serve.engine.config import MXFP4_BYTE_ORDERS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="kimi-linear-48b")
     parser.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
@@ -101,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mxfp4-mgpu", action="store_true",
                         help="re-lay MXFP4 experts for the Mosaic-GPU decode kernel (kimi_jax.layers.ffn."
                              "use_mgpu_layout) before building the runner")
-    parser.add_argument("--mxfp4-pairs", action="store_true",
-                        help="re-order MXFP4 expert bytes into the pair-halves order (kimi_jax.layers.ffn."
-                             "use_pair_halves) before building the runner")
+    parser.add_argument("--mxfp4-byte-order", choices=MXFP4_BYTE_ORDERS, default="auto",
+                        help="EngineConfig.mxfp4_byte_order: MXFP4 experts as served (auto: the pair-halves order "
+                             "under Pallas on a GPU; checkpoint: the loader's order, the A/B's base)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -166,12 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
                        num_experts=args.experts or full.num_experts)
     model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
-    if args.mxfp4_pairs and args.mxfp4_mgpu:
-        parser.error("--mxfp4-pairs and --mxfp4-mgpu are two layouts of the same experts: pick one")
-    if args.mxfp4_pairs:
-        from kimi_jax.layers.ffn import use_pair_halves
-
-        use_pair_halves(model.moe)
+    if args.mxfp4_mgpu and args.mxfp4_byte_order == "pairs":
+        parser.error("--mxfp4-byte-order pairs and --mxfp4-mgpu are two layouts of the same experts: pick one")
     if args.mxfp4_mgpu:
         from kimi_jax.layers.ffn import use_mgpu_layout
 
@@ -187,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=max_len, max_num_seqs=max(seqs), max_num_batched_tokens=args.prefill_chunk,
             block_size=bs, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
             page_buckets=(-(-max_len // bs),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
-            compile_threads=8), impl=args.impl)
+            compile_threads=8, mxfp4_byte_order=args.mxfp4_byte_order), impl=args.impl)
 
     runner = make_runner(max_model_len, tuple(args.batches))
     setup = time.perf_counter() - start

@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax.api import KimiLM
+from kimi_jax.layers.ffn import pair_halves_fit, use_pair_halves
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
@@ -195,6 +196,9 @@ class ModelRunner:
         step is partitioned by GSPMD, which needs the pure-XLA ops (the Pallas kernels are not partitioned yet).
       impl: op implementation passed to the forward (None = backend default).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
+
+    MXFP4 experts are re-laid in place into the pair-halves byte order first when ``config.mxfp4_byte_order``
+    asks for it ("auto": Pallas on a GPU), so the model passed in holds ``{w}_pairs`` parameters afterwards.
     """
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
@@ -210,6 +214,10 @@ class ModelRunner:
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
+        order, moe_stack = self.config.mxfp4_byte_order, getattr(model, "moe", None)
+        if getattr(moe_stack, "w1_pairs", None) is None and (order == "pairs" or (
+                order == "auto" and self.on_gpu and resolve_impl(impl) == "pallas" and pair_halves_fit(moe_stack))):
+            use_pair_halves(moe_stack)  # in place: the kernel's faster byte order (EngineConfig.mxfp4_byte_order)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         specs = param_specs(model, MeshShape.of(self.mesh))
         graphdef, state = nnx.split(model)

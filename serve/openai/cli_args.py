@@ -1,7 +1,7 @@
 """`kimi-jax serve` flags (mirroring `vllm serve` where the meaning is the same) and the server entry points.
 
 Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --enable-prefix-caching,
---prefix-cache-retention-interval, --kv-cache-dtype, --seed) are defined here so `kimi-jax serve --help` lists
+--prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed) are defined here so `kimi-jax serve --help` lists
 them all, and are read by whoever builds the engine; `run_server` reads the HTTP ones.
 """
 
@@ -13,7 +13,7 @@ import os
 
 import uvicorn
 
-from serve.engine.config import KV_CACHE_DTYPES
+from serve.engine.config import KV_CACHE_DTYPES, MXFP4_BYTE_ORDERS
 from serve.openai.app import build_app
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import guidance_tokenizer
@@ -57,6 +57,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="MLA page dtype (auto: the model's); fp8 = e4m3 with one f32 scale per token, "
                              "half the cache bytes")
+    engine.add_argument("--mxfp4-byte-order", choices=list(MXFP4_BYTE_ORDERS), default="auto",
+                        help="MXFP4 expert bytes as served (auto: re-laid at start into the pair-halves order when "
+                             "the Pallas kernels run on a GPU; checkpoint: as loaded)")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     return parser

@@ -427,6 +427,25 @@ def test_a_step_that_cannot_run_fails_at_start_up_naming_its_bucket(monkeypatch,
     assert {n: done[n].outputs[0].token_ids for n in ("a", "f")} == {n: reference[n] for n in ("a", "f")}
 
 
+def test_mxfp4_experts_are_served_in_the_configured_byte_order():
+    """EngineConfig.mxfp4_byte_order: "pairs" re-lays the MXFP4 experts in place, so the runner's parameters are
+    the pair-halves bytes of the checkpoint's; "auto" keeps the checkpoint order off the GPU; a bad value is a
+    ValueError naming the field."""
+    from kimi_jax.quant.mxfp4 import to_pair_halves
+
+    cfg = SMALL.replace(experts_mxfp4=True, moe_intermediate_size=64, latent_dim=64)
+    for order, name in (("auto", "moe.w1_packed"), ("pairs", "moe.w1_pairs")):
+        model = KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        want = np.asarray(to_pair_halves(model.moe.w1_packed[...]))
+        runner = ModelRunner(model, dataclasses.replace(RUNNER_CONFIG, mxfp4_byte_order=order), impl="reference",
+                             warm_up=False)
+        assert name in runner.param_names
+        if order == "pairs":
+            np.testing.assert_array_equal(np.asarray(runner.params[runner.param_names.index(name)]), want)
+    with pytest.raises(ValueError, match="mxfp4_byte_order"):
+        dataclasses.replace(RUNNER_CONFIG, mxfp4_byte_order="nibbles").resolve(cfg, gpu=False)
+
+
 def test_gpu_compiler_options_are_valid_xla_options():
     """The options the runner passes to XLA on GPU name real debug options with valid values (XLA rejects a
     misspelt enum value at compile time, on any backend), so a typo fails here rather than at GPU start-up."""
