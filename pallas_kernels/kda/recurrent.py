@@ -128,7 +128,8 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     and returns; K and V powers of 2). The pools are updated in place when donated. ``block_v`` (a power of 2
     dividing V; default V) walks the ``[K, V]`` state in ``[K, block_v]`` slices by a loop that Triton
     software-pipelines over ``num_stages`` (default 2; 1 without slices), so a program holds one slice in registers
-    while the next is in flight (the state columns are independent in the delta rule).
+    while the next is in flight (the state columns are independent in the delta rule); on the H200 this was 2-10%
+    slower than the whole state at batch 1-256 (session 16).
     ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks read at row ``layer`` in place
     (see :func:`fused_recurrent_kda_split_v_pallas`). ``num_warps`` defaults to 4 for one token (H200, H=32,
     batch 1-16: 1.4-1.8x faster than 8; session 15) and 8 for verification (not swept)."""
