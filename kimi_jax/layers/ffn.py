@@ -127,8 +127,10 @@ def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
 def pair_halves_fit(p: MoEStack | None) -> bool:
     """Whether ``p`` has MXFP4 routed experts in the checkpoint byte order (``{w}_packed`` parameters) whose
     input widths are multiples of 64, as the pair-halves order needs."""
-    packed = [getattr(p, f"{name}_packed", None) for name in ("w1", "w3", "w2")] if p is not None else [None]
-    return all(w is not None and (2 * w.shape[-1]) % (2 * mxfp4.BLOCK) == 0 for w in packed)
+    if p is None:
+        return False
+    packed = [getattr(p, f"{name}_packed", None) for name in ("w1", "w3", "w2")]
+    return all(w is not None and w.shape[-1] % mxfp4.BLOCK == 0 for w in packed)  # in/2 bytes: 64 | in
 
 
 @functools.partial(jax.jit, donate_argnums=0)
