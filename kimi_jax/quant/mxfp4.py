@@ -142,3 +142,38 @@ def from_pair_halves(packed: jax.Array) -> jax.Array:
     pairs = packed.reshape(*lead, n_out, n_half // BLOCK, 1, BLOCK)
     codes = jnp.concatenate([pairs & 0xF, pairs >> 4], axis=-2).reshape(*lead, n_out, 2 * n_half)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+
+
+def to_word_order(packed: jax.Array) -> jax.Array:
+    """Compressed-tensors ``packed [..., out, in/2]`` -> the word order ``[..., out, in/2]`` (``in % 64 == 0``):
+    per pair of MX blocks ``(A, B) = (2p, 2p + 1)``, 32 bytes read as 8 little-endian 32-bit words; word ``g``
+    holds columns ``c = 4g .. 4g + 3`` of both blocks as nibbles ``A(c), A(c+2), B(c), B(c+2), A(c+1), A(c+3),
+    B(c+1), B(c+3)`` (nibble 0 lowest). Two weights ``16`` bits apart then form one bf16 pair of a kernel's
+    register with one shift (Marlin's trick): nibble ``k`` and ``k + 4`` of a word are columns ``c + m`` and
+    ``c + m + 1`` of one block. The scales keep their layout."""
+    *lead, n_out, n_half = packed.shape
+    if (2 * n_half) % (2 * BLOCK):
+        raise ValueError(f"the word order needs in % {2 * BLOCK} == 0, got in = {2 * n_half}")
+    codes = unpack_codes(packed).reshape(*lead, n_out, n_half // BLOCK, 2, BLOCK // 4, 4)
+    a, b = codes[..., 0, :, :], codes[..., 1, :, :]  # [..., pairs, 8 words, 4 columns]
+    words = jnp.stack([a[..., 0] | (a[..., 2] << 4), b[..., 0] | (b[..., 2] << 4),
+                       a[..., 1] | (a[..., 3] << 4), b[..., 1] | (b[..., 3] << 4)], axis=-1)
+    return words.reshape(packed.shape).astype(jnp.uint8)
+
+
+def word_order_codes(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Word-order bytes ``[..., 32 * n]`` (whole pairs of blocks) -> E2M1 codes ``(A, B)`` ``[..., 32 * n]``
+    uint8: column ``j`` of each pair's first and second block."""
+    b = words.reshape(*words.shape[:-1], -1, 4)
+    lo, hi = b & 0xF, b >> 4
+    a_codes = jnp.stack([lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2]], axis=-1)
+    b_codes = jnp.stack([lo[..., 1], lo[..., 3], hi[..., 1], hi[..., 3]], axis=-1)
+    return a_codes.reshape(words.shape), b_codes.reshape(words.shape)
+
+
+def from_word_order(words: jax.Array) -> jax.Array:
+    """Inverse of :func:`to_word_order`: word-order bytes -> compressed-tensors ``packed [..., out, in/2]``."""
+    *lead, n_out, n_half = words.shape
+    a, b = (c.reshape(*lead, n_out, n_half // BLOCK, 1, BLOCK) for c in word_order_codes(words))
+    codes = jnp.concatenate([a, b], axis=-2).reshape(*lead, n_out, 2 * n_half)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)

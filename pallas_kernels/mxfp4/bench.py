@@ -10,7 +10,8 @@ so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the exper
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
 per format (``SWEEPS``) plus ``tile_config``'s default, and the same tilings on the pair-halves byte order
 (``mxfp4_pairs``, :func:`kimi_jax.quant.mxfp4.to_pair_halves`; its inline-PTX decode, and ``mxfp4_pairs_jnp``
-with the jnp decode); past ``BENCH_DEADLINE_S`` only the defaults. Then
+with the jnp decode) and the word order (``mxfp4_words``, :func:`kimi_jax.quant.mxfp4.to_word_order`, with narrow
+scales where they are; x-as-A tilings only); past ``BENCH_DEADLINE_S`` only the defaults. Then
 Kimi-Linear's per-row expert GEMMs at batch-1 decode (pipeline depth). The JSON is rewritten after every case.
 """
 
@@ -24,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.quant.mxfp4 import to_pair_halves
+from kimi_jax.quant.mxfp4 import to_pair_halves, to_word_order
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us, timed
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights
-from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas
+from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas, scales_are_narrow
 from pallas_kernels.mxfp4.ops import tile_config
 from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
 
@@ -125,7 +126,7 @@ def check_correctness(rng):
         got = np.asarray(got, np.float32)
         return float(np.max(np.abs(got - ref).max(1) / np.maximum(np.abs(ref).max(1), 1e-30)))
 
-    pairs = to_pair_halves(packed)
+    pairs, words = to_pair_halves(packed), to_word_order(packed)
     checked = CHECKED_CFGS if SUITE != "mgpu" else {  # the Triton tilings the mgpu suite times
         name: ALL_CFGS[name] for name in ("m16n64k128w4s4L", "m16n64k256w4s4", "m128n256k64w8s3")}
     for name, cfg in checked.items():
@@ -133,6 +134,9 @@ def check_correctness(rng):
                                        want)
         results[f"mxfp4_pairs/{name}"] = rel(grouped_gemm_pallas(x, (pairs, scales), gs, weight_format="mxfp4_pairs",
                                                                  **cfg), want)
+        if words_tiling(cfg):
+            results[f"mxfp4_words/{name}"] = rel(grouped_gemm_pallas(x, (words, scales), gs,
+                                                                     weight_format="mxfp4_words", **cfg), want)
         if SUITE == "mgpu":
             continue
         results[f"mxfp4_pairs_jnp/{name}"] = rel(grouped_gemm_pallas(
@@ -151,6 +155,11 @@ def check_correctness(rng):
         except Exception as err:  # noqa: BLE001 - report and go on
             results[f"mxfp4_mgpu/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
     return results
+
+
+def words_tiling(cfg):
+    """Whether the word order runs at tiling ``cfg``: x as the MMA's A operand and 128-column K steps."""
+    return not cfg.get("weights_lhs") and cfg["block_k"] % 128 == 0
 
 
 def mgpu_variants():
@@ -193,8 +202,9 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     packed, scales = random_mxfp4(rng, experts, n, k)
     case = dict(tokens=tokens, experts=experts, rows=m, experts_touched=touched, n=n, k=k,
                 weight_bytes_mxfp4=wbytes, weight_bytes_bf16=touched * n * k * 2, flops=flops, mxfp4={},
-                mxfp4_pairs={}, mxfp4_pairs_jnp={}, bf16={}, mxfp4_mgpu={})
-    pairs = to_pair_halves(packed)
+                mxfp4_pairs={}, mxfp4_pairs_jnp={}, mxfp4_words={}, bf16={}, mxfp4_mgpu={})
+    pairs, words = to_pair_halves(packed), to_word_order(packed)
+    narrow = dict(narrow_scales=True) if scales_are_narrow(scales) else {}
     mgpu_suite_cfgs = {}
     if SUITE == "mgpu":  # the Triton kernel's default tiling per byte order (and the old best pair-halves one) only
         if regime == "decode":
@@ -207,21 +217,23 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
             except Exception as err:  # noqa: BLE001
                 case["mxfp4_mgpu"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         del prepared
-    for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", pairs), ("mxfp4_pairs_jnp", pairs)):
-        if SUITE == "mgpu" and fmt == "mxfp4_pairs_jnp":
+    for fmt, weights in (("mxfp4", packed), ("mxfp4_pairs", pairs), ("mxfp4_pairs_jnp", pairs),
+                         ("mxfp4_words", words)):
+        if SUITE == "mgpu" and fmt in ("mxfp4_pairs_jnp", "mxfp4_words"):
             continue
+        extra = narrow if fmt == "mxfp4_words" else {}
         default = tile_config(m, experts, n, k, fmt)  # each format's own default tiling
         fmt_cfgs = ({**mgpu_suite_cfgs, "default": default} if SUITE == "mgpu"
                     else with_default(SWEEPS[(regime, "mxfp4")], default))
         for name, cfg in fmt_cfgs.items():
-            if past_deadline(name):
+            if past_deadline(name) or (fmt == "mxfp4_words" and not words_tiling(cfg)):
                 continue
             try:
-                case[fmt][name] = timed(lambda x, p, s, g, cfg=cfg, fmt=fmt: grouped_gemm_pallas(
-                    x, (p, s), g, weight_format=fmt, **cfg), (xs, weights, scales, gs))
+                case[fmt][name] = timed(lambda x, p, s, g, cfg=cfg, fmt=fmt, extra=extra: grouped_gemm_pallas(
+                    x, (p, s), g, weight_format=fmt, **cfg, **extra), (xs, weights, scales, gs))
             except Exception as err:  # noqa: BLE001
                 case[fmt][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
-    del packed, scales, weights, pairs
+    del packed, scales, weights, pairs, words
     if SUITE in ("pairs", "mgpu"):
         record.append(case)
         return case
@@ -339,16 +351,18 @@ def main():
         save()
     bw, rate = result["copy_bandwidth_Bps"], result["bf16_matmul_flops"]
     print(f"\n{'T':>5} {'E':>4} {'M':>5} {'N':>5} {'K':>5} | {'mxfp4 us':>9} {'%copyBW':>7} {'%bf16mm':>7} "
-          f"{'cfg':>18} | {'pairs us':>8} {'%copyBW':>7} {'cfg':>18} | {'mgpu us':>8} {'%copyBW':>7} {'cfg':>7} | "
-          f"{'bf16 us':>8} {'cfg':>18} | {'speedup':>7}")
+          f"{'cfg':>18} | {'pairs us':>8} {'%copyBW':>7} {'cfg':>18} | {'words us':>8} {'%copyBW':>7} "
+          f"{'%bf16mm':>7} {'cfg':>18} | {'mgpu us':>8} {'%copyBW':>7} {'cfg':>7} | {'bf16 us':>8} {'cfg':>18} | "
+          f"{'speedup':>7}")
     for c in cases:
-        (mn, mt), (pn, pt), (gn, gt), (bn_, bt) = (best(c["mxfp4"]), best(c["mxfp4_pairs"]), best(c["mxfp4_mgpu"]),
-                                                   best(c["bf16"]))
+        (mn, mt), (pn, pt), (wn, wt), (gn, gt), (bn_, bt) = (
+            best(c["mxfp4"]), best(c["mxfp4_pairs"]), best(c["mxfp4_words"]), best(c["mxfp4_mgpu"]), best(c["bf16"]))
         print(f"{c['tokens']:>5} {c['experts']:>4} {c['rows']:>5} {c['n']:>5} {c['k']:>5} | {mt * 1e6:>9.1f} "
               f"{100 * c['weight_bytes_mxfp4'] / mt / bw:>6.0f}% {100 * c['flops'] / mt / rate:>6.0f}% {mn:>18} | "
               f"{pt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / pt / bw:>6.0f}% {pn:>18} | "
-              f"{gt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / gt / bw:>6.0f}% {gn:>7} | "
-              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / np.nanmin([mt, pt, gt]):>6.2f}x")
+              f"{wt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / wt / bw:>6.0f}% {100 * c['flops'] / wt / rate:>6.0f}% "
+              f"{wn:>18} | {gt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / gt / bw:>6.0f}% {gn:>7} | "
+              f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / np.nanmin([mt, pt, wt, gt]):>6.2f}x")
 
 
 if __name__ == "__main__":

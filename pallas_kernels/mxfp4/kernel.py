@@ -36,13 +36,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kimi_jax.quant import mxfp4
 from pallas_kernels.impl import interpret_mode
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
 MX_BLOCK = 32
-PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp")
-"""Pair-halves formats: inline-PTX decode on the GPU (jnp in interpret mode), and the jnp decode everywhere."""
+PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp", "mxfp4_words")
+"""Formats decoded per pair of MX blocks: the pair-halves order with the inline-PTX decode on the GPU (jnp in
+interpret mode) or the jnp decode everywhere, and the word order (inline PTX on the GPU, jnp in interpret mode)."""
+WORD_SCALES = 4
+"""``"mxfp4_words"`` reads the E8M0 scales as uint32 words of 4 consecutive blocks (a bitcast of the uint8 array)."""
 SHARED_EXPERT = -1
 """Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
 
@@ -62,6 +66,54 @@ def _nibble_ptx(mask: int, magnitude_shift: int, sign_shift: int) -> str:
 _LOW_NIBBLES_PTX = _nibble_ptx(0x0F, 6, 12)  # magnitude bits 2..0 -> 8..6, sign bit 3 -> 15
 _HIGH_NIBBLES_PTX = _nibble_ptx(0xF0, 2, 8)  # magnitude bits 6..4 -> 8..6, sign bit 7 -> 15
 # (one asm per half: jax 0.11.2's Triton lowering of elementwise_inline_asm returns a single result)
+
+
+def _word_ptx(first_shift: int, scale_byte: int, narrow_scales: bool) -> str:
+    """PTX for one block of a word-order word ($2; :func:`kimi_jax.quant.mxfp4.to_word_order`) and its scales'
+    word ($3, 4 E8M0 codes) -> two bf16 pairs ($0, $1) of scaled weights. The block's nibbles for output pair 0
+    (1) sit 16 bits apart at bits ``12 - first_shift`` (``8 - first_shift``) and 16 above, so per pair: one
+    ``shl`` puts them at bits 12..15 and 28..31 (sign at 15 / 31), ``and`` + ``shr`` move the 3 magnitude bits to
+    8..6, ``and`` + ``or`` keep the sign: ``E2M1 * 2**-126`` in each half (code 1 a bf16 subnormal). The scale
+    byte goes to the exponent field of both halves (``prmt`` + ``shr``; ``max`` turns code 0 into the subnormal
+    2**-127). ``narrow_scales`` (every code at most 128): the scale is ``2**(s - 1)`` (exponent field ``s + 126``),
+    the bias folded in, one
+    ``mul.rn.bf16x2`` per pair; otherwise a multiply by 2**126 first. Exact either way.
+
+    Unlike the pair-halves decode this is not a per-byte map: it needs Triton to hand the asm 4 bytes that are one
+    aligned word in memory. With x as the MMA's A operand the decoded tile is the B operand, which Triton loads
+    4 consecutive K bytes per thread (and permutes K in both operands alike); with the weights as A (wgmma's
+    register operand) the 4 bytes are K pairs 8 apart, and the result is wrong (H200, session 17). So the word
+    order runs with ``weights_lhs=False`` only, and the GPU tests check it at the tilings ``tile_config`` picks."""
+    selector = f"0x{scale_byte}4{scale_byte}4"  # byte scale_byte of $3 into bytes 1 and 3, zeros elsewhere
+    lines = [f"prmt.b32 c, $3, z, {selector}; shr.b32 c, c, 1;"]
+    lines.append("add.u32 c, c, 0x3F003F00;" if narrow_scales else "mov.b32 m, 0x00400040; max.u16x2 c, c, m;")
+    for out, shift in ((0, first_shift), (1, first_shift - 4)):
+        source = "$2"
+        if shift:
+            lines.append(f"shl.b32 t, $2, {shift};")
+            source = "t"
+        lines.append(f"and.b32 m, {source}, 0x70007000; shr.b32 m, m, 6; and.b32 t, {source}, 0x80008000; "
+                     "or.b32 t, t, m;")
+        lines.append(f"mul.rn.bf16x2 ${out}, t, c;" if narrow_scales else
+                     f"mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 ${out}, t, c;")
+    return ("{ .reg .b32 t, m, c, z, k; mov.b32 z, 0; mov.b32 k, 0x7E807E80; " + " ".join(lines) + " }")
+
+
+def _decode_words(packed: jax.Array, word: jax.Array, first_byte: int, how: str,
+                  narrow_scales: bool) -> tuple[jax.Array, jax.Array]:
+    """Word-order bytes ``[bn, 32]`` uint8 of one pair of MX blocks and their scales' word ``[bn]`` uint32
+    (scale ``first_byte`` is the pair's first block's, the next byte its second's) -> (scaled bf16 weights of
+    the first block, of the second), each ``[bn, 32]``. Exact."""
+    if how == "asm":
+        shape = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
+        words = jnp.broadcast_to(word[:, None], packed.shape)
+        return tuple(pltriton.elementwise_inline_asm(
+            _word_ptx(first_shift, first_byte + half, narrow_scales), args=[packed, words],
+            constraints="=r,=r,r,r,r,r,r", pack=4, result_shape_dtypes=[shape])[0]
+            for half, first_shift in enumerate((12, 4)))
+    codes = mxfp4.word_order_codes(packed)
+    scales = (((word >> (8 * (first_byte + half))) & 0xFF).astype(jnp.uint8) for half in range(2))
+    return tuple(e2m1_to_bf16(c.astype(jnp.uint16)) * e8m0_to_bf16(sc)[:, None] for c, sc in zip(codes, scales))
 
 
 def _decode_nibbles(packed: jax.Array, scales: tuple[jax.Array, jax.Array], how: str) -> tuple[jax.Array, jax.Array]:
@@ -87,7 +139,7 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs, split_k, part_tiles, x_repeat, pairs_decode, shared):
+                    weights_lhs, split_k, part_tiles, x_repeat, pairs_decode, shared, narrow_scales):
     *w_refs, o_ref = refs
     shared_refs = w_refs[len(w_refs) // 2:] if shared else ()  # the shared expert's matrices, after the routed
     w_refs = w_refs[:len(w_refs) // 2] if shared else w_refs
@@ -134,8 +186,13 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                 first_byte = pl.multiple_of(k * (block_k // 2) + pair * MX_BLOCK, MX_BLOCK)
                 packed = packed_ref[expert, cols, pl.ds(first_byte, MX_BLOCK)]  # [bn, 32] uint8
                 first_block = k * (block_k // MX_BLOCK) + 2 * pair
-                scales = tuple(e8m0_to_bf16(scales_ref[expert, cols, first_block + half]) for half in range(2))
-                for half, w in enumerate(_decode_nibbles(packed, scales, pairs_decode)):
+                if weight_format == "mxfp4_words":  # the scales of 2 pairs in one uint32 per column
+                    word = scales_ref[expert, cols, k * (block_k // (WORD_SCALES * MX_BLOCK)) + pair // 2]
+                    weights = _decode_words(packed, word, 2 * (pair % 2), pairs_decode, narrow_scales)
+                else:
+                    scales = tuple(e8m0_to_bf16(scales_ref[expert, cols, first_block + half]) for half in range(2))
+                    weights = _decode_nibbles(packed, scales, pairs_decode)
+                for half, w in enumerate(weights):
                     block = first_block + half
                     x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
                                       mask=x_mask[:, None], other=0.0)
@@ -173,6 +230,17 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
         pltriton.store(o_ref.at[rows, out_cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
 
 
+def _scale_words(scales: jax.Array) -> jax.Array:
+    """uint8 E8M0 scales ``[..., K/32]`` -> uint32 ``[..., K/128]``, block ``4w + b`` in byte ``b`` of word ``w``."""
+    return jax.lax.bitcast_convert_type(scales.reshape(*scales.shape[:-1], -1, WORD_SCALES), jnp.uint32)
+
+
+def scales_are_narrow(*scales: jax.Array) -> bool:
+    """Whether every E8M0 code is at most 128 (block scales up to 2, block values up to 12: trained weights), so
+    the ``"mxfp4_words"`` decode may fold its bias into the scale (``narrow_scales``). One host sync."""
+    return all(bool(jnp.all(s <= 128)) for s in scales)
+
+
 def _output_width(weights: tuple[jax.Array, ...], weight_format: str) -> int:
     if weight_format == "bf16":
         return weights[0].shape[2]
@@ -182,15 +250,16 @@ def _output_width(weights: tuple[jax.Array, ...], weight_format: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k"))
+                                             "num_stages", "weights_lhs", "split_k", "narrow_scales"))
 def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
                         expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                         block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                        weights_lhs: bool = False, split_k: int = 1) -> jax.Array:
+                        weights_lhs: bool = False, split_k: int = 1, narrow_scales: bool = False) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E', K, N],)`` for ``"bf16"``,
     ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``
     (``"mxfp4_pairs"`` / ``"mxfp4_pairs_jnp"``: ``packed`` in the pair-halves byte order, ``block_k`` a multiple
-    of 64; the two differ only in the decode's code);
+    of 64; the two differ only in the decode's code; ``"mxfp4_words"``: ``packed`` in the word order of
+    :func:`kimi_jax.quant.mxfp4.to_word_order`, ``block_k`` a multiple of 128);
     group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (an int32 scalar, traced: so the
     experts of every layer can be passed as one ``[L*E, ...]`` bitcast of the stacked parameter, since a slice
     ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every
@@ -199,20 +268,25 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
     dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation). ``split_k``
     (dividing ``K / block_k``) cuts every tile's K loop across that many programs, which write fp32 partial sums
-    that are then added: at decode a few experts' tiles alone cannot fill the GPU."""
+    that are then added: at decode a few experts' tiles alone cannot fill the GPU. ``narrow_scales``
+    (``"mxfp4_words"``): the caller vouches that every scale code is at most 128 (:func:`scales_are_narrow`,
+    checked once at load); the decode then folds its 2**126 bias into the scale (one multiply per weight pair
+    fewer). Outside that range the results would be wrong, not just inexact."""
     return grouped_gemm_concat_pallas(x, (weights,), group_sizes, expert_offset, weight_format=weight_format,
                                       block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                      num_stages=num_stages, weights_lhs=weights_lhs, split_k=split_k)
+                                      num_stages=num_stages, weights_lhs=weights_lhs, split_k=split_k,
+                                      narrow_scales=narrow_scales)
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k", "per_row", "sum_splits"))
+                                             "num_stages", "weights_lhs", "split_k", "per_row", "sum_splits",
+                                             "narrow_scales"))
 def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
                                expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
                                block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                                weights_lhs: bool = False, split_k: int = 1, per_row: bool = False,
                                sum_splits: bool = True, shared: tuple[tuple[jax.Array, ...], ...] = (),
-                               shared_offset: jax.Array | int = 0) -> jax.Array:
+                               shared_offset: jax.Array | int = 0, narrow_scales: bool = False) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
     side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
@@ -245,6 +319,15 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         raise ValueError(f"K={dim_k} / N={widths} must be multiples of block_k={block_k} / block_n={block_n}")
     if block_k % (2 * MX_BLOCK if weight_format in PAIRS_FORMATS else MX_BLOCK if weight_format == "mxfp4" else 1):
         raise ValueError(f"block_k={block_k} must hold whole MX blocks (pairs of them for {weight_format!r})")
+    words = weight_format == "mxfp4_words"
+    if words and block_k % (WORD_SCALES * MX_BLOCK):
+        raise ValueError(f"block_k={block_k} must be a multiple of {WORD_SCALES * MX_BLOCK} for 'mxfp4_words'")
+    if words and weights_lhs:  # the word decode needs 4 memory-consecutive bytes per thread (see _word_ptx)
+        raise ValueError("weight_format='mxfp4_words' needs weights_lhs=False (x as the MMA's A operand)")
+    if narrow_scales and not words:
+        raise ValueError("narrow_scales applies to weight_format='mxfp4_words' only")
+    if words:  # scales [E', N, K/32] uint8 -> [E', N, K/128] uint32 words (a bitcast, no copy)
+        matrices, shared = (tuple((p, _scale_words(sc)) for p, sc in group) for group in (matrices, shared))
     if split_k < 1 or (dim_k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
     schedule = group_sizes.astype(jnp.int32) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)
@@ -255,8 +338,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
                                block_k=block_k, weight_format=weight_format, weights_lhs=weights_lhs,
                                split_k=split_k, part_tiles=tuple(n // block_n for n in widths),
                                x_repeat=num_rows // x.shape[0] if per_row else 0,
-                               pairs_decode="asm" if weight_format == "mxfp4_pairs" and not interpret_mode() else "jnp",
-                               shared=bool(shared))
+                               pairs_decode="asm" if weight_format in ("mxfp4_pairs", "mxfp4_words")
+                               and not interpret_mode() else "jnp", shared=bool(shared), narrow_scales=narrow_scales)
     out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
         (num_rows, split_k * dim_n), jnp.float32)
     result = pl.pallas_call(

@@ -8,7 +8,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.quant.mxfp4 import dequantize, from_pair_halves
+from kimi_jax.quant.mxfp4 import dequantize, from_pair_halves, from_word_order
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, restore_weights
 from pallas_kernels.mxfp4.kernel import PAIRS_FORMATS, SHARED_EXPERT, grouped_gemm_concat_pallas
@@ -32,16 +32,23 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
     share the launch; ``dim_n`` is their sum)."""
     rows_per_expert = num_rows / num_experts
     pairs = weight_format in PAIRS_FORMATS
-    if rows_per_expert <= 16 and pairs:
+    if rows_per_expert <= 16 and weight_format == "mxfp4_words":
+        # Word decode, x as the MMA's A operand. K3 gate + up, narrow scales, H200 (session 17 sweep): 8 / 64 /
+        # 256 tokens over 56 experts and 256 over 112: 50.5 / 247.7 / 313.2 / 601.6 us against 51.9 / 258.8 /
+        # 330.3 / 642.6 us for the pair-halves pick below (and 66.6 / 325.4 / 414.3 / 801.2 us for pair halves).
+        cfg = dict(block_m=16, block_n=64, block_k=512, num_warps=4, num_stages=2)
+    elif rows_per_expert <= 16 and pairs:
         # Pair-halves decode: 256-column K steps, x as the MMA's A operand. K3 gate + up on the H200 (session 16),
         # 8 / 64 / 256 tokens over 56 experts: 66.3 / 324.8 / 413.4 us against 88.0 / 469.8 / 605.4 us for the
         # checkpoint order's tiling below.
         cfg = dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
     elif rows_per_expert <= 16:  # decode: one row tile per expert, the weight tile as the MMA's register operand
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
-    elif rows_per_expert <= 64:
-        cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    elif pairs:  # K3 gate + up, 8192 tokens over 56 experts: 1845 us (28% of bf16 matmul) against 2390 us below
+    elif rows_per_expert <= 64:  # (the word order reads its scales 128 columns at a time)
+        cfg = dict(block_m=64, block_n=128, block_k=128 if weight_format == "mxfp4_words" else 64, num_warps=4,
+                   num_stages=3)
+    elif pairs:  # K3 gate + up, 8192 tokens over 56 experts: 1845 us (28% of bf16 matmul) against 2390 us below;
+        # the word order 1493 us (34.6%, session 17)
         cfg = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
@@ -96,9 +103,10 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
     return mxfp4_grouped_matmul_concat(x, ((packed, scales),), group_sizes, layer=layer, impl=impl)
 
 
-BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs", "mgpu": "mgpu"}
+BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs", "words": "mxfp4_words", "mgpu": "mgpu"}
 """Byte order of packed MXFP4 weights -> the grouped kernel's ``weight_format``: the compressed-tensors order,
-the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`, or the Mosaic-GPU decode kernel's layout
+the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`, the word order of
+:func:`kimi_jax.quant.mxfp4.to_word_order`, or the Mosaic-GPU decode kernel's layout
 (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`: ``packed [E, K/64, N, 32]``, ``scales [E, K/32,
 N]``)."""
 
@@ -106,7 +114,7 @@ N]``)."""
 def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
                                 group_sizes: jax.Array | None = None, *, row_experts: jax.Array | None = None,
                                 layer: int | None = None, impl: str | None = None,
-                                byte_order: str = "checkpoint") -> jax.Array:
+                                byte_order: str = "checkpoint", narrow_scales: bool = False) -> jax.Array:
     """:func:`mxfp4_grouped_matmul` against several ``(packed, scales)`` matrices of the same K (e.g. the gate
     and up projections): their products side by side, ``[M, sum N_i]``, from one kernel launch.
 
@@ -115,8 +123,9 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     rows; for a few decode rows, see :func:`grouped_matmul_concat`).
 
     ``byte_order``: ``"checkpoint"``, or ``"pairs"`` for ``packed`` in the pair-halves order (K a multiple of
-    64; the kernel's ``"mxfp4_pairs"`` format), or ``"mgpu"`` for the Mosaic-GPU kernel's layout (see
-    ``BYTE_ORDERS``)."""
+    64; the kernel's ``"mxfp4_pairs"`` format), ``"words"`` for the word order (K a multiple of 128;
+    ``narrow_scales``: every scale code is at most 128, see :func:`pallas_kernels.mxfp4.kernel.scales_are_narrow`),
+    or ``"mgpu"`` for the Mosaic-GPU kernel's layout (see ``BYTE_ORDERS``)."""
     if byte_order not in BYTE_ORDERS:
         raise ValueError(f"byte_order must be one of {sorted(BYTE_ORDERS)}, got {byte_order!r}")
     groups, per_row = _groups(group_sizes, row_experts, x)
@@ -133,7 +142,7 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
             return mxfp4_grouped_matmul_mgpu(x, flat, groups, offset, **cfg)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        unpair = from_pair_halves if byte_order == "pairs" else (lambda a: a)
+        unpair = {"pairs": from_pair_halves, "words": from_word_order}.get(byte_order, lambda a: a)
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         return jnp.concatenate([product(x, jnp.swapaxes(dequantize(unpair(pick(p)), pick(s), jnp.float32), 1, 2),
                                         groups) for p, s in matrices], axis=-1)
@@ -144,7 +153,7 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), x.shape[1], BYTE_ORDERS[byte_order],
                       widths)
     return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format=BYTE_ORDERS[byte_order],
-                                      per_row=per_row, **cfg)
+                                      per_row=per_row, narrow_scales=narrow_scales, **cfg)
 
 
 def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None, x: jax.Array) -> tuple[jax.Array, bool]:

@@ -88,6 +88,14 @@ def mxfp4_pairs_prefill_gemm(x, packed, scales, group_sizes):
                                            block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
+def mxfp4_words_gemm(x, packed, scales, row_experts):
+    """K3's expert gate + up at decode in the word order with narrow scales (16 (token, expert) rows): what
+    tile_config picks, with the folded decode."""
+    return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_words",
+                                                  per_row=True, block_m=16, block_n=64, block_k=256, num_stages=4,
+                                                  narrow_scales=True)
+
+
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     """Kimi-Linear's varlen prefill (H=32, K=V=128): in-kernel gate and L2 norm; the softplus gate takes the
     pairwise diagonal blocks, the lower bound the midpoint ones."""
@@ -126,6 +134,8 @@ CASES = {
     "grouped_gemm_mxfp4_pairs_prefill": (mxfp4_pairs_prefill_gemm, [
         S((8192, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8), S((56, 3072, 112), jnp.uint8),
         S((56,), jnp.int32)]),
+    "grouped_gemm_mxfp4_words": (mxfp4_words_gemm, [S((2, 3584), jnp.bfloat16), S((56, 6144, 1792), jnp.uint8),
+                                                    S((56, 6144, 112), jnp.uint8), S((16,), jnp.int32)]),
     "attnres_mix": (attnres_kernel.attnres_mix_pallas, [S((7168,), jnp.float32), S((9, 16, 7168), jnp.float32),
                                                         S((7168,), jnp.float32)]),
     "mla_decode_triton": (functools.partial(mla_attention.mla_paged_attention_pallas, scale=0.07, kv_lora_rank=512),

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax.quant.mxfp4 import E2M1_VALUES, dequantize, from_pair_halves, to_pair_halves, unpack_codes
+from kimi_jax.quant.mxfp4 import (E2M1_VALUES, dequantize, from_pair_halves, from_word_order, to_pair_halves,
+                                  to_word_order, unpack_codes, word_order_codes)
 from pallas_kernels.mxfp4 import (SHARED_EXPERT, grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
                                   mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
                                   mxfp4_matmul, mxfp4_matmul_reference)
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
-from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas
+from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas, scales_are_narrow
 from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
@@ -199,14 +200,18 @@ def test_tile_config_splits_k_only_when_few_programs_would_run():
 
 
 def test_tile_config_picks_the_pair_halves_tilings():
-    """The pair-halves order gets its own H200 tilings (x as the MMA's A operand at decode, 64 x 128 x 128 tiles at
-    prefill); the checkpoint order keeps its own."""
+    """The pair-halves and word orders get their own H200 tilings (x as the MMA's A operand at decode, 64 x 128 x
+    128 tiles at prefill; the word order 512-column K steps at decode, never under 128); the checkpoint order keeps
+    its own."""
     from pallas_kernels.mxfp4.ops import tile_config
     decode = tile_config(262, 56, 6144, 3584, "mxfp4_pairs")
     assert (decode["block_k"], decode.get("weights_lhs", False)) == (256, False)
     assert tile_config(262, 56, 6144, 3584, "mxfp4")["weights_lhs"]
     assert tile_config(8212, 56, 6144, 3584, "mxfp4_pairs")["block_m"] == 64
     assert tile_config(8212, 56, 6144, 3584, "mxfp4")["block_m"] == 128
+    words = [tile_config(rows, 56, 6144, k, "mxfp4_words") for rows in (1, 262, 2000, 8212) for k in (3072, 3584)]
+    assert words[2]["block_k"] == 512 and words[6]["block_m"] == 64
+    assert all(not cfg.get("weights_lhs") and cfg["block_k"] % 128 == 0 for cfg in words)  # what the decode needs
 
 
 def test_tile_config_short_k_loops_pipeline_three_deep():
@@ -374,6 +379,79 @@ def test_pair_halves_byte_order():
                                     jnp.ones((1,), jnp.int32), byte_order="nibbles")
 
 
+def test_word_byte_order():
+    """Word g of each 64-column pair holds columns 4g..4g+3 of both blocks in the nibble order of to_word_order;
+    the inverse restores the checkpoint bytes; in not a multiple of 64 is a clear error."""
+    _, packed, _, _ = random_problem(52, [1], 1, n=3, k=128)
+    words = np.asarray(to_word_order(packed))
+    codes = np.asarray(unpack_codes(packed))  # [E, N, K] in column order
+    b = words.reshape(*words.shape[:-1], 2, 8, 4).astype(np.uint32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [E, N, pair, g]
+    blocks = codes.reshape(*codes.shape[:-1], 2, 2, 8, 4)  # [E, N, pair, block, g, column]
+    for nibble, (block, column) in enumerate([(0, 0), (0, 2), (1, 0), (1, 2), (0, 1), (0, 3), (1, 1), (1, 3)]):
+        np.testing.assert_array_equal((word >> (4 * nibble)) & 0xF, blocks[..., block, :, column])
+    np.testing.assert_array_equal(np.asarray(from_word_order(jnp.asarray(words))), np.asarray(packed))
+    with pytest.raises(ValueError, match="in % 64"):
+        to_word_order(packed[..., :16])
+
+
+@pytest.mark.parametrize("layout,extreme", [
+    (dict(weights_lhs=False, block_k=256), True),  # 4 pairs per K step: both scale words, every byte of them
+    (dict(weights_lhs=False, block_k=128, split_k=2), False),  # K split over two programs
+    (dict(weights_lhs=False, block_k=128, per_row=True), False),  # one row per (token, expert) pair, unsorted
+    (dict(weights_lhs=False, block_k=128, block_m=64), True),  # prefill-sized row tile
+])
+def test_mxfp4_words_kernel_matches_reference(layout, extreme):
+    """The word-order kernel path (scales read as uint32 words of 4 blocks) equals the float32 reference on the
+    checkpoint bytes, within the bf16 output rounding of TOL; block_k not a multiple of 128, and the weights as
+    the MMA's A operand, are clear errors."""
+    x, packed, scales, gs = random_problem(62, [20, 0, 17], NUM_ROWS, n=32, k=256)
+    if extreme:
+        x, scales = extreme_scales(x, scales)
+    tiles = dict(SMALL_TILES, **layout)
+    words = to_word_order(packed)
+    if tiles.pop("per_row", False):
+        rows = jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)
+        want = jnp.concatenate([mxfp4_matmul_reference(x[i:i + 1], packed[e], scales[e])
+                                for i, e in enumerate(np.asarray(rows))])
+        got = grouped_gemm_concat_pallas(x[:7], ((words, scales),), rows, weight_format="mxfp4_words",
+                                         per_row=True, **tiles)
+    else:
+        want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+        got = grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words", **tiles)
+    assert_rows_close(got, want)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words", **dict(SMALL_TILES, block_k=64))
+    with pytest.raises(ValueError, match="weights_lhs=False"):
+        grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words",
+                            **dict(SMALL_TILES, block_k=128, weights_lhs=True))
+    with pytest.raises(ValueError, match="narrow_scales"):
+        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", narrow_scales=True, **SMALL_TILES)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="Triton's register layout exists on the GPU only")
+@pytest.mark.parametrize("group_sizes", [[20, 0, 9], [20, 0, 250]])  # tile_config: decode and prefill tilings
+@pytest.mark.parametrize("narrow", [False, True])
+def test_mxfp4_words_at_tile_config_tilings_on_gpu(group_sizes, narrow):
+    """On the GPU, at the tilings tile_config picks, the word-order decode (which needs Triton to hand its asm 4
+    memory-consecutive bytes) equals the pair-halves kernel bit for bit and the fp32 reference within TOL."""
+    from pallas_kernels.mxfp4.ops import tile_config
+
+    x, packed, scales, gs = random_problem(63, group_sizes, sum(group_sizes) + 3, n=128, k=512,
+                                           scale_range=(100, 129) if narrow else (120, 134))
+    if not narrow:
+        x, scales = extreme_scales(x, scales)
+    assert scales_are_narrow(scales) == narrow
+    m, n, k = x.shape[0], packed.shape[1], x.shape[1]
+    cfg = tile_config(m, len(group_sizes), n, k, "mxfp4_words")
+    got = grouped_gemm_pallas(x, (to_word_order(packed), scales), gs, weight_format="mxfp4_words",
+                              narrow_scales=narrow, **cfg)
+    pairs = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs",
+                                **tile_config(m, len(group_sizes), n, k, "mxfp4_pairs"))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(pairs, np.float32))
+    assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
+
+
 @pytest.mark.parametrize("weight_format,layout,extreme", [
     ("mxfp4_pairs", dict(weights_lhs=True, split_k=2), False),   # decode orientation, K split over two programs
     ("mxfp4_pairs", dict(weights_lhs=False, split_k=1), True),   # scales 2**-125..2**-123 / 2**121..2**125
@@ -405,11 +483,11 @@ def test_mxfp4_pairs_kernel_matches_reference(weight_format, layout, extreme):
         grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_pairs", **SMALL_TILES)
 
 
-def run_ptx(ptx: str, word: int, scales: tuple[int, int]) -> list[int]:
-    """Execute the decode's PTX (mov, prmt, and, shl, or, mul.rn.bf16x2 on .b32 registers) for one input word
-    ``$2`` and scale registers ``$3, $4``; -> the output registers ``[$0, $1]``. A small interpreter, so the exact
-    asm text is tested on CPU."""
-    regs = {"$2": word, "$3": scales[0], "$4": scales[1]}
+def run_ptx(ptx: str, inputs: dict[str, int]) -> list[int]:
+    """Execute a decode's PTX (mov, prmt, and, shl, shr, or, add, max.u16x2, mul.rn.bf16x2 on .b32 registers)
+    for input registers ``inputs`` (``{"$2": word, ...}``); -> the output registers ``[$0, $1]``. A small
+    interpreter, so the exact asm text is tested on CPU."""
+    regs = dict(inputs)
 
     def val(op):
         return regs[op] if op in regs else int(op, 0)
@@ -438,6 +516,13 @@ def run_ptx(ptx: str, word: int, scales: tuple[int, int]) -> list[int]:
             regs[args[0]] = val(args[1]) & val(args[2])
         elif op == "shl.b32":
             regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "add.u32":
+            regs[args[0]] = (val(args[1]) + val(args[2])) & 0xFFFFFFFF
+        elif op == "max.u16x2":
+            a, b = val(args[1]), val(args[2])
+            regs[args[0]] = max(a & 0xFFFF, b & 0xFFFF) | (max(a >> 16, b >> 16) << 16)
         elif op == "or.b32":
             regs[args[0]] = val(args[1]) | val(args[2])
         elif op == "mul.rn.bf16x2":
@@ -464,7 +549,7 @@ def test_inline_ptx_decode_is_exact_for_every_byte():
         code = codes[i % len(codes)]
         scale_bits = 0x40 if code == 0 else code << 7
         for ptx, nibble in ((_LOW_NIBBLES_PTX, lambda b: b & 0xF), (_HIGH_NIBBLES_PTX, lambda b: b >> 4)):
-            out = run_ptx(ptx, word, (scale_bits * 0x10001, scale_bits * 0x10001))
+            out = run_ptx(ptx, {"$2": word, "$3": scale_bits * 0x10001, "$4": scale_bits * 0x10001})
             bits = np.array([(out[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(4)], np.uint32) << 16
             got = bits.view(np.float32)
             want = (E2M1_VALUES[[nibble(b) for b in data]].astype(np.float64) * 2.0 ** (code - 127)).astype(np.float32)
@@ -472,18 +557,51 @@ def test_inline_ptx_decode_is_exact_for_every_byte():
             np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+def test_word_order_ptx_decode_is_exact(narrow):
+    """The word-order decode's PTX (interpreted) maps element k of a packed word to bf16 element k: E2M1 of
+    column k of the block (first or second of the pair, as :func:`word_order_codes` reads it) times the scale in
+    byte ``scale_byte`` of the scales' word, for every scale code (narrow: codes 0..128, the folded bias)."""
+    from pallas_kernels.mxfp4.kernel import _word_ptx
+
+    rng = np.random.default_rng(11)
+    words = [int.from_bytes(bytes([b, 255 - b, (7 * b) % 256, (b + 85) % 256]), "little") for b in range(256)]
+    words += [int(w) for w in rng.integers(0, 1 << 32, 64, dtype=np.uint64)]
+    codes = [0, 1, 2, 64, 120, 127, 128] if narrow else [0, 1, 2, 120, 127, 128, 133, 200, 250, 254]
+    for i, word in enumerate(words):
+        data = np.frombuffer(word.to_bytes(4, "little"), np.uint8)
+        scale_codes = [codes[(i + j) % len(codes)] for j in range(4)]
+        scale_word = int.from_bytes(bytes(scale_codes), "little")
+        for half, first_shift in enumerate((12, 4)):
+            block_codes = np.asarray(word_order_codes(jnp.asarray(data))[half])
+            for scale_byte in (half, 2 + half):
+                out = run_ptx(_word_ptx(first_shift, scale_byte, narrow), {"$2": word, "$3": scale_word})
+                bits = np.array([(out[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(4)], np.uint32) << 16
+                got = bits.view(np.float32)
+                want = (E2M1_VALUES[block_codes].astype(np.float64)
+                        * 2.0 ** (scale_codes[scale_byte] - 127)).astype(np.float32)
+                np.testing.assert_array_equal(got, want)
+                np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (no GPU needed)")
 def test_inline_ptx_assembles_for_hopper(tmp_path):
-    """The decode's asm, in the operand form Triton gives it (two b32 outputs, three b32 inputs), compiles for
-    sm_90 with nvcc + ptxas: syntax, operand kinds and the bf16x2 multiply's availability on Hopper."""
-    from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX
+    """The decodes' asm, in the operand form Triton gives it (two b32 outputs; pair halves: three b32 inputs,
+    word order: one packed word and four copies of the scales' word), compiles for sm_90 with nvcc + ptxas:
+    syntax, operand kinds and the availability on Hopper of the bf16x2 multiply and the u16x2 max."""
+    from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX, _word_ptx
 
-    body = "\n".join(f'  asm volatile("{ptx.replace("$", "%")}" : "=r"(out[{2 * i}]), "=r"(out[{2 * i + 1}]) '
-                     f': "r"(word), "r"(scale), "r"(scale));' for i, ptx in enumerate((_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX)))
+    asm = lambda i, ptx, inputs: (f'  asm volatile("{ptx.replace("$", "%")}" : "=r"(out[{2 * i}]), '  # noqa: E731
+                                  f'"=r"(out[{2 * i + 1}]) : {inputs});')
+    pairs = [asm(i, ptx, '"r"(word), "r"(scale), "r"(scale)') for i, ptx in enumerate((_LOW_NIBBLES_PTX,
+                                                                                        _HIGH_NIBBLES_PTX))]
+    words = [asm(2 + i, _word_ptx(shift, byte, narrow), ", ".join(['"r"(word)'] + ['"r"(scale)'] * 4))
+             for i, (shift, byte, narrow) in enumerate(((12, 0, False), (4, 3, True)))]
     source = tmp_path / "decode.cu"
     source.write_text("#include <cstdint>\n__global__ void decode(const uint32_t* in, uint32_t* o) {\n"
-                      "  uint32_t word = in[threadIdx.x]; uint32_t scale = in[threadIdx.x + 32]; uint32_t out[4];\n" + body +
-                      "\n  for (int i = 0; i < 4; ++i) o[4 * threadIdx.x + i] = out[i];\n}\n")
+                      "  uint32_t word = in[threadIdx.x]; uint32_t scale = in[threadIdx.x + 32]; uint32_t out[8];\n"
+                      + "\n".join(pairs + words) +
+                      "\n  for (int i = 0; i < 8; ++i) o[8 * threadIdx.x + i] = out[i];\n}\n")
     result = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "decode.o")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
