@@ -62,8 +62,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     # bytes, ``_pairs``, the same shapes: a TP shard of w2 then holds whole 64-column pairs when F / TP % 64 == 0)
     (r"moe\.(w1|w3)", P(None, "expert", None, TP)),
     (r"moe\.w2", P(None, "expert", TP, None)),
-    (r"moe\.(w1|w3)_(packed|pairs|scale)", P(None, "expert", TP, None)),
-    (r"moe\.w2_(packed|pairs|scale)", P(None, "expert", None, TP)),
+    (r"moe\.(w1|w3)_(packed|pairs|words|scale)", P(None, "expert", TP, None)),
+    (r"moe\.w2_(packed|pairs|words|scale)", P(None, "expert", None, TP)),
     # the Mosaic-GPU decode layout: w1/w3 [L, E, Din/64, F, 32] + scales [L, E, Din/32, F];
     # w2 [L, E, F/64, Din, 32] + scales [L, E, F/32, Din]
     (r"moe\.(w1|w3)_mgpu", P(None, "expert", None, TP, None)),

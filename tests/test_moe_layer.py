@@ -64,40 +64,61 @@ def test_shared_expert_fused_into_the_routed_launch(tokens, rng, monkeypatch):
     assert not ffn._fuses_shared_expert(MoEStack(packed, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), x, packed, "pallas")
 
 
+WIDE = {**BASE, "hidden_size": 128, "moe_intermediate_size": 128}  # input widths 128: both byte orders fit
+
+
+@pytest.mark.parametrize("order", ["pairs", "words"])
 @pytest.mark.parametrize("tokens,row_pairs", [(13, 0), (1, 32)])
-def test_pair_halves_experts_give_the_checkpoint_order_result(tokens, row_pairs, rng, monkeypatch):
-    """use_pair_halves re-orders the packed expert bytes (w*_packed -> w*_pairs); the layer's reference and
-    Pallas paths then give what the checkpoint bytes gave (sorted and per-row decode paths)."""
+def test_reordered_experts_give_the_checkpoint_order_result(order, tokens, row_pairs, rng, monkeypatch):
+    """use_byte_order re-orders the packed expert bytes (w*_packed -> w*_pairs / w*_words); the layer's reference
+    and Pallas paths then give what the checkpoint bytes gave (sorted and per-row decode paths); the word order
+    records whether its scales are narrow."""
     monkeypatch.setattr(ffn, "ROW_EXPERT_MAX_PAIRS", row_pairs)
-    cfg = ModelConfig(**{**BASE, "moe_intermediate_size": 64}, experts_mxfp4=True)  # K = 64 for w1/w3 and w2
+    cfg = ModelConfig(**WIDE, experts_mxfp4=True)
     stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)
     want = np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32)
-    ffn.use_pair_halves(stack)
-    assert not hasattr(stack, "w1_packed") and stack.w2_pairs[...].shape == (1, 16, 64, 32)
+    ffn.use_byte_order(stack, order)
+    assert not hasattr(stack, "w1_packed") and getattr(stack, f"w2_{order}")[...].shape == (1, 16, 128, 64)
+    assert getattr(stack, "narrow_scales", None) is (True if order == "words" else None)
     np.testing.assert_array_equal(np.asarray(moe(stack, 0, x, cfg, impl="reference"), np.float32), want)
     got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
     with pytest.raises(ValueError, match="w1/w3/w2_packed"):
-        ffn.use_pair_halves(stack)
+        ffn.use_byte_order(stack, order)
 
 
-def test_pair_halves_conversion_goes_layer_by_layer_in_place(rng):
-    """use_pair_halves converts each MoE layer of a stack into the same buffer: the result equals the whole-stack
-    conversion, layer for layer; a stack whose input widths are not multiples of 64 is refused by name."""
-    cfg = ModelConfig(**{**BASE, "num_layers": 3, "layer_types": ("kda",) * 3, "mlp_types": ("dense", "moe", "moe"),
-                         "moe_intermediate_size": 64}, experts_mxfp4=True)
+@pytest.mark.parametrize("order,width", [("pairs", 64), ("words", 128)])
+def test_reordering_goes_layer_by_layer_in_place(order, width, rng):
+    """use_byte_order converts each MoE layer of a stack into the same buffer: the result equals the whole-stack
+    conversion, layer for layer; a stack whose input widths are not multiples of what the order needs, or an
+    unknown order, is refused by name."""
+    cfg = ModelConfig(**{**WIDE, "num_layers": 3, "layer_types": ("kda",) * 3, "mlp_types": ("dense", "moe", "moe")},
+                      experts_mxfp4=True)
     stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    want = {name: np.asarray(mxfp4.to_pair_halves(getattr(stack, f"{name}_packed")[...])) for name in ("w1", "w2")}
-    assert ffn.pair_halves_fit(stack)
-    ffn.use_pair_halves(stack)
+    convert = ffn.REORDERS[order][0]
+    want = {name: np.asarray(convert(getattr(stack, f"{name}_packed")[...])) for name in ("w1", "w2")}
+    assert ffn.byte_order_fits(stack, order)
+    ffn.use_byte_order(stack, order)
     for name, expected in want.items():
         assert expected.shape[0] == 2
-        np.testing.assert_array_equal(np.asarray(getattr(stack, f"{name}_pairs")[...]), expected)
-    narrow = MoEStack(ModelConfig(**BASE, experts_mxfp4=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    assert not ffn.pair_halves_fit(narrow) and not ffn.pair_halves_fit(None)
-    with pytest.raises(ValueError, match="multiples of 64"):
-        ffn.use_pair_halves(narrow)
+        np.testing.assert_array_equal(np.asarray(getattr(stack, f"{name}_{order}")[...]), expected)
+    too_narrow = MoEStack(ModelConfig(**{**BASE, "moe_intermediate_size": width // 2}, experts_mxfp4=True),
+                          dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert not ffn.byte_order_fits(too_narrow, order) and not ffn.byte_order_fits(None, order)
+    with pytest.raises(ValueError, match=f"multiples of {width}"):
+        ffn.use_byte_order(too_narrow, order)
+    with pytest.raises(ValueError, match="order must be one of"):
+        ffn.use_byte_order(too_narrow, "nibbles")
+
+
+def test_wide_scales_are_not_narrow():
+    """A scale code above 128 (block scale 2**2) turns the word order's folded decode off."""
+    cfg = ModelConfig(**WIDE, experts_mxfp4=True)
+    stack = MoEStack(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    stack.w3_scale[...] = stack.w3_scale[...].at[0, 3, 5, 1].set(129)
+    ffn.use_byte_order(stack, "words")
+    assert stack.narrow_scales is False
 
 
 @pytest.mark.parametrize("tokens", [1, 13, 80])  # 80 tokens x 4 choices over 16 experts: prefill-sized tiles

@@ -4,9 +4,9 @@ Router: fp32 logits -> sigmoid scores; ``scores + e_score_correction_bias`` only
 top-k); the weights are the unbiased scores of the chosen experts, renormalised and scaled. LatentMoE (K3)
 runs the routed experts in a latent width: ``down -> experts -> weighted sum -> RMSNorm -> up``; shared experts
 read the full-width input. Routed experts are bf16 ``[E, in, out]`` or MXFP4 packed ``[E, out, in/2]`` +
-E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use; :func:`use_pair_halves` re-orders the
-packed bytes for the kernel's pair-halves format, as ``{w}_pairs`` parameters, and :func:`use_mgpu_layout` for
-the Mosaic-GPU decode kernel, as ``{w}_mgpu`` / ``{w}_mgpu_scale``).
+E8M0 scales ``[E, out, in/32]`` (checkpoint layout, dequantised per use; :func:`use_byte_order` re-orders the
+packed bytes for the kernel's pair-halves or word format, as ``{w}_pairs`` / ``{w}_words`` parameters, and
+:func:`use_mgpu_layout` for the Mosaic-GPU decode kernel, as ``{w}_mgpu`` / ``{w}_mgpu_scale``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal
                                     stacked_linear, stacked_linear_unsummed, stacked_linears)
 from kimi_jax.quant import mxfp4
 from pallas_kernels import mxfp4 as gemm_ops
+from pallas_kernels.mxfp4 import kernel as gemm_kernel
 from pallas_kernels.mxfp4.decode_mgpu import prepare_weights as prepare_mxfp4_mgpu
 from pallas_kernels.mxfp4.decode_mgpu import restore_weights as restore_mxfp4_mgpu
 from pallas_kernels import router as router_ops
@@ -124,38 +125,49 @@ def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
             setattr(p, f"{name}_{suffix}", nnx.Param(value))
 
 
-def pair_halves_fit(p: MoEStack | None) -> bool:
+REORDERS = {"pairs": (mxfp4.to_pair_halves, 2 * mxfp4.BLOCK), "words": (mxfp4.to_word_order, 4 * mxfp4.BLOCK)}
+"""In-place byte orders of MXFP4 experts -> (converter from the checkpoint order, the input width it must
+divide): the pair-halves order and the word order (:mod:`kimi_jax.quant.mxfp4`)."""
+
+
+def byte_order_fits(p: MoEStack | None, order: str) -> bool:
     """Whether ``p`` has MXFP4 routed experts in the checkpoint byte order (``{w}_packed`` parameters) whose
-    input widths are multiples of 64, as the pair-halves order needs."""
+    input widths are multiples of what ``order`` (a key of ``REORDERS``) needs: 64 (pairs) or 128 (words)."""
     if p is None:
         return False
     packed = [getattr(p, f"{name}_packed", None) for name in ("w1", "w3", "w2")]
-    return all(w is not None and w.shape[-1] % mxfp4.BLOCK == 0 for w in packed)  # in/2 bytes: 64 | in
+    return all(w is not None and (2 * w.shape[-1]) % REORDERS[order][1] == 0 for w in packed)  # in/2 bytes
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _pair_halves_layer(stack: jax.Array, layer: jax.Array) -> jax.Array:
-    """``stack [L, ...]`` uint8 with layer ``layer`` (int32) re-ordered into the pair-halves order; in place when
+@functools.partial(jax.jit, static_argnames="order", donate_argnums=0)
+def _reorder_layer(stack: jax.Array, layer: jax.Array, order: str) -> jax.Array:
+    """``stack [L, ...]`` uint8 with layer ``layer`` (int32) re-ordered into byte order ``order``; in place when
     ``stack`` is donated, so the only temporary is one layer's codes."""
     one = jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(stack, mxfp4.to_pair_halves(one), layer, 0)
+    return jax.lax.dynamic_update_index_in_dim(stack, REORDERS[order][0](one), layer, 0)
 
 
-def use_pair_halves(p: MoEStack) -> None:
-    """Re-order an MXFP4 stack's packed expert bytes into the pair-halves order, in place: ``w1_packed`` becomes
-    ``w1_pairs`` (same shape; :func:`kimi_jax.quant.mxfp4.to_pair_halves`), and so on. One MoE layer at a time
-    into the same (donated) buffer, so the device needs one layer's worth of memory to spare, not a stack's; an
-    outside reference to the old array is invalidated. The checkpoint names are gone afterwards, so a converted
-    model cannot be written out as if it held checkpoint bytes."""
-    if not pair_halves_fit(p):
-        raise ValueError("use_pair_halves needs MXFP4 experts in the checkpoint order (w1/w3/w2_packed) with "
-                         "input widths that are multiples of 64")
+def use_byte_order(p: MoEStack, order: str) -> None:
+    """Re-order an MXFP4 stack's packed expert bytes into ``order`` ("pairs" or "words"), in place:
+    ``w1_packed`` becomes ``w1_pairs`` / ``w1_words`` (same shape), and so on. One MoE layer at a time into the
+    same (donated) buffer, so the device needs one layer's worth of memory to spare, not a stack's; an outside
+    reference to the old array is invalidated. The checkpoint names are gone afterwards, so a converted model
+    cannot be written out as if it held checkpoint bytes. "words" also records (one host sync) whether every
+    scale code is at most 128 (``p.narrow_scales``, static), which lets the kernel fold its decode bias."""
+    if order not in REORDERS:
+        raise ValueError(f"order must be one of {sorted(REORDERS)}, got {order!r}")
+    if not byte_order_fits(p, order):
+        raise ValueError(f"use_byte_order({order!r}) needs MXFP4 experts in the checkpoint order (w1/w3/w2_packed) "
+                         f"with input widths that are multiples of {REORDERS[order][1]}")
+    if order == "words":
+        scales = (getattr(p, f"{name}_scale")[...] for name in ("w1", "w3", "w2"))
+        p.narrow_scales = gemm_kernel.scales_are_narrow(*scales)
     for name in ("w1", "w3", "w2"):
         stack = getattr(p, f"{name}_packed")[...]
         delattr(p, f"{name}_packed")
         for layer in range(stack.shape[0]):
-            stack = _pair_halves_layer(stack, jnp.int32(layer))
-        setattr(p, f"{name}_pairs", nnx.Param(stack))
+            stack = _reorder_layer(stack, jnp.int32(layer), order)
+        setattr(p, f"{name}_{order}", nnx.Param(stack))
 
 
 def use_mgpu_layout(p: MoEStack) -> None:
@@ -166,7 +178,8 @@ def use_mgpu_layout(p: MoEStack) -> None:
                                                                           prepare_mxfp4_mgpu(packed, scale))))
 
 
-_BYTE_ORDERS = (("packed", "checkpoint", "scale"), ("pairs", "pairs", "scale"), ("mgpu", "mgpu", "mgpu_scale"))
+_BYTE_ORDERS = (("packed", "checkpoint", "scale"), ("pairs", "pairs", "scale"), ("words", "words", "scale"),
+                ("mgpu", "mgpu", "mgpu_scale"))
 """Parameter suffix of packed expert bytes, their byte order, and the suffix of their scales."""
 
 
@@ -196,7 +209,8 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
         rows = dict(group_sizes=sizes, row_experts=row_experts, layer=j, impl="pallas")
         if mxfp4_packed:
             both = gemm_ops.mxfp4_grouped_matmul_concat(xs, [(w[...], scale[...]) for w, _, scale in packed],
-                                                        byte_order=packed[0][1], **rows)
+                                                        byte_order=packed[0][1],
+                                                        narrow_scales=getattr(p, "narrow_scales", False), **rows)
             widths = [scale.shape[-1 if order == "mgpu" else -2] for _, order, scale in packed]
         else:
             both = gemm_ops.grouped_matmul_concat(xs, [getattr(p, n) for n in names], **rows,
@@ -210,8 +224,8 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
             w, scale = w[j], scale[j]
             if order == "mgpu":
                 w, scale = restore_mxfp4_mgpu(w, scale)
-            elif order == "pairs":
-                w = mxfp4.from_pair_halves(w)
+            elif order in ("pairs", "words"):
+                w = (mxfp4.from_pair_halves if order == "pairs" else mxfp4.from_word_order)(w)
             w = jnp.swapaxes(mxfp4.dequantize(w, scale, dtype=xs.dtype), -1, -2)
         else:
             w = getattr(p, n)[j]

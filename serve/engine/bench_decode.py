@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="re-lay MXFP4 experts for the Mosaic-GPU decode kernel (kimi_jax.layers.ffn."
                              "use_mgpu_layout) before building the runner")
     parser.add_argument("--mxfp4-byte-order", choices=MXFP4_BYTE_ORDERS, default="auto",
-                        help="EngineConfig.mxfp4_byte_order: MXFP4 experts as served (auto: the pair-halves order "
-                             "under Pallas on a GPU; checkpoint: the loader's order, the A/B's base)")
+                        help="EngineConfig.mxfp4_byte_order: MXFP4 experts as served (auto: the word order, or "
+                             "pair halves where widths do not fit, under Pallas on a GPU; checkpoint: the loader's "
+                             "order, the A/B's base)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--impl", default="reference")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -168,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
                        num_experts=args.experts or full.num_experts)
     model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
-    if args.mxfp4_mgpu and args.mxfp4_byte_order == "pairs":
-        parser.error("--mxfp4-byte-order pairs and --mxfp4-mgpu are two layouts of the same experts: pick one")
+    if args.mxfp4_mgpu and args.mxfp4_byte_order in ("pairs", "words"):
+        parser.error(f"--mxfp4-byte-order {args.mxfp4_byte_order} and --mxfp4-mgpu are two layouts of the same "
+                     "experts: pick one")
     if args.mxfp4_mgpu:
         from kimi_jax.layers.ffn import use_mgpu_layout
 

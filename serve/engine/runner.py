@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax.api import KimiLM
-from kimi_jax.layers.ffn import pair_halves_fit, use_pair_halves
+from kimi_jax.layers.ffn import byte_order_fits, use_byte_order
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
@@ -197,8 +197,9 @@ class ModelRunner:
       impl: op implementation passed to the forward (None = backend default).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
 
-    MXFP4 experts are re-laid in place into the pair-halves byte order first when ``config.mxfp4_byte_order``
-    asks for it ("auto": Pallas on a GPU), so the model passed in holds ``{w}_pairs`` parameters afterwards.
+    MXFP4 experts are re-laid in place into the word (or pair-halves) byte order first when
+    ``config.mxfp4_byte_order`` asks for it ("auto": Pallas on a GPU), so the model passed in holds ``{w}_words``
+    (``{w}_pairs``) parameters afterwards.
     """
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
@@ -215,9 +216,11 @@ class ModelRunner:
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
         order, moe_stack = self.config.mxfp4_byte_order, getattr(model, "moe", None)
-        if getattr(moe_stack, "w1_pairs", None) is None and (order == "pairs" or (
-                order == "auto" and self.on_gpu and resolve_impl(impl) == "pallas" and pair_halves_fit(moe_stack))):
-            use_pair_halves(moe_stack)  # in place: the kernel's faster byte order (EngineConfig.mxfp4_byte_order)
+        if order == "auto":
+            fast = self.on_gpu and resolve_impl(impl) == "pallas"
+            order = next((o for o in ("words", "pairs") if fast and byte_order_fits(moe_stack, o)), "checkpoint")
+        if order != "checkpoint" and getattr(moe_stack, f"w1_{order}", None) is None:
+            use_byte_order(moe_stack, order)  # in place: the kernel's faster byte order (EngineConfig.mxfp4_byte_order)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         specs = param_specs(model, MeshShape.of(self.mesh))
         graphdef, state = nnx.split(model)

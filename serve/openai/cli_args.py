@@ -58,8 +58,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="MLA page dtype (auto: the model's); fp8 = e4m3 with one f32 scale per token, "
                              "half the cache bytes")
     engine.add_argument("--mxfp4-byte-order", choices=list(MXFP4_BYTE_ORDERS), default="auto",
-                        help="MXFP4 expert bytes as served (auto: re-laid at start into the pair-halves order when "
-                             "the Pallas kernels run on a GPU; checkpoint: as loaded)")
+                        help="MXFP4 expert bytes as served (auto: re-laid at start into the word order, or pair "
+                             "halves where widths do not fit, when the Pallas kernels run on a GPU; checkpoint: as "
+                             "loaded)")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     return parser

@@ -428,20 +428,19 @@ def test_a_step_that_cannot_run_fails_at_start_up_naming_its_bucket(monkeypatch,
 
 
 def test_mxfp4_experts_are_served_in_the_configured_byte_order():
-    """EngineConfig.mxfp4_byte_order: "pairs" re-lays the MXFP4 experts in place, so the runner's parameters are
-    the pair-halves bytes of the checkpoint's; "auto" keeps the checkpoint order off the GPU; a bad value is a
-    ValueError naming the field."""
-    from kimi_jax.quant.mxfp4 import to_pair_halves
+    """EngineConfig.mxfp4_byte_order: "pairs" / "words" re-lay the MXFP4 experts in place, so the runner's
+    parameters are the pair-halves / word-order bytes of the checkpoint's; "auto" keeps the checkpoint order off
+    the GPU; a bad value is a ValueError naming the field."""
+    from kimi_jax.quant.mxfp4 import to_pair_halves, to_word_order
 
-    cfg = SMALL.replace(experts_mxfp4=True, moe_intermediate_size=64, latent_dim=64)
-    for order, name in (("auto", "moe.w1_packed"), ("pairs", "moe.w1_pairs")):
+    cfg = SMALL.replace(experts_mxfp4=True, moe_intermediate_size=128, latent_dim=128)
+    for order, convert in (("auto", None), ("pairs", to_pair_halves), ("words", to_word_order)):
         model = KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-        want = np.asarray(to_pair_halves(model.moe.w1_packed[...]))
+        want = np.asarray(model.moe.w1_packed[...] if convert is None else convert(model.moe.w1_packed[...]))
         runner = ModelRunner(model, dataclasses.replace(RUNNER_CONFIG, mxfp4_byte_order=order), impl="reference",
                              warm_up=False)
-        assert name in runner.param_names
-        if order == "pairs":
-            np.testing.assert_array_equal(np.asarray(runner.params[runner.param_names.index(name)]), want)
+        name = f"moe.w1_{'packed' if convert is None else order}"
+        np.testing.assert_array_equal(np.asarray(runner.params[runner.param_names.index(name)]), want)
     with pytest.raises(ValueError, match="mxfp4_byte_order"):
         dataclasses.replace(RUNNER_CONFIG, mxfp4_byte_order="nibbles").resolve(cfg, gpu=False)
 
