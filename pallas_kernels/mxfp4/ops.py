@@ -44,11 +44,15 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
         cfg = dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
     elif rows_per_expert <= 16:  # decode: one row tile per expert, the weight tile as the MMA's register operand
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
+    elif rows_per_expert <= 32 and weight_format == "mxfp4_words":
+        # 1024 tokens over 56 experts (18 rows each), H200 session 17: 429.6 us against 518.1 for 64-row tiles
+        cfg = dict(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3)
     elif rows_per_expert <= 64:  # (the word order reads its scales 128 columns at a time)
         cfg = dict(block_m=64, block_n=128, block_k=128 if weight_format == "mxfp4_words" else 64, num_warps=4,
                    num_stages=3)
-    elif pairs:  # K3 gate + up, 8192 tokens over 56 experts: 1845 us (28% of bf16 matmul) against 2390 us below;
-        # the word order 1493 us (34.6%, session 17)
+    elif weight_format == "mxfp4_words":  # K3 gate + up, 8192 tokens over 56 experts: 1412 us (36% of bf16 matmul)
+        cfg = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=2)
+    elif pairs:  # K3 gate + up, 8192 tokens over 56 experts: 1845 us (28% of bf16 matmul) against 2390 us below
         cfg = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)

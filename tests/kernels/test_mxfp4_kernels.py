@@ -209,8 +209,8 @@ def test_tile_config_picks_the_pair_halves_tilings():
     assert tile_config(262, 56, 6144, 3584, "mxfp4")["weights_lhs"]
     assert tile_config(8212, 56, 6144, 3584, "mxfp4_pairs")["block_m"] == 64
     assert tile_config(8212, 56, 6144, 3584, "mxfp4")["block_m"] == 128
-    words = [tile_config(rows, 56, 6144, k, "mxfp4_words") for rows in (1, 262, 2000, 8212) for k in (3072, 3584)]
-    assert words[2]["block_k"] == 512 and words[6]["block_m"] == 64
+    words = [tile_config(rows, 56, 6144, k, "mxfp4_words") for rows in (1, 262, 1024, 8212) for k in (3072, 3584)]
+    assert words[2]["block_k"] == 512 and words[4]["block_m"] == 32 and words[6]["block_m"] == 64
     assert all(not cfg.get("weights_lhs") and cfg["block_k"] % 128 == 0 for cfg in words)  # what the decode needs
 
 
