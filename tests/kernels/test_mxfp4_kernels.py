@@ -430,11 +430,12 @@ def test_mxfp4_words_kernel_matches_reference(layout, extreme):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Triton's register layout exists on the GPU only")
-@pytest.mark.parametrize("group_sizes", [[20, 0, 9], [20, 0, 250]])  # tile_config: decode and prefill tilings
+@pytest.mark.parametrize("group_sizes", [[20, 0, 9], [20, 0, 60], [20, 0, 250]])  # decode, 32-row, prefill tiles
 @pytest.mark.parametrize("narrow", [False, True])
 def test_mxfp4_words_at_tile_config_tilings_on_gpu(group_sizes, narrow):
     """On the GPU, at the tilings tile_config picks, the word-order decode (which needs Triton to hand its asm 4
-    memory-consecutive bytes) equals the pair-halves kernel bit for bit and the fp32 reference within TOL."""
+    memory-consecutive bytes) equals the pair-halves kernel at the same tiling bit for bit (both decode the same
+    bf16 weights exactly) and the fp32 reference within TOL."""
     from pallas_kernels.mxfp4.ops import tile_config
 
     x, packed, scales, gs = random_problem(63, group_sizes, sum(group_sizes) + 3, n=128, k=512,
@@ -446,8 +447,7 @@ def test_mxfp4_words_at_tile_config_tilings_on_gpu(group_sizes, narrow):
     cfg = tile_config(m, len(group_sizes), n, k, "mxfp4_words")
     got = grouped_gemm_pallas(x, (to_word_order(packed), scales), gs, weight_format="mxfp4_words",
                               narrow_scales=narrow, **cfg)
-    pairs = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs",
-                                **tile_config(m, len(group_sizes), n, k, "mxfp4_pairs"))
+    pairs = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs", **cfg)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(pairs, np.float32))
     assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
 
