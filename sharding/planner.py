@@ -43,8 +43,8 @@ def weight_kind(path: str) -> str:
     if top in ("embed", "lm_head"):
         return "embed + lm_head"
     if top == "moe":
-        return "MoE routed experts" if re.fullmatch(r"moe\.w[123](_packed|_pairs|_words|_scale|_mgpu|_mgpu_scale)?", path) else \
-            "MoE shared/latent/router"
+        routed = re.fullmatch(r"moe\.w[123](_packed|_pairs|_words|_scale|_mgpu|_mgpu_scale)?", path)
+        return "MoE routed experts" if routed else "MoE shared/latent/router"
     return {"kda": "KDA", "mla": "MLA", "dense_mlp": "dense MLP"}.get(top, "norms + AttnRes")
 
 

@@ -59,7 +59,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"moe\.(router_bias|latent_norm)", _REPLICATED),
     # routed experts: bf16 w1/w3 [L, E, Din, F], w2 [L, E, F, Din];
     # MXFP4 w1/w3 packed/scale [L, E, F, Din/2 | Din/32], w2 packed/scale [L, E, Din, F/2 | F/32] (pair-halves
-    # bytes, ``_pairs``, the same shapes: a TP shard of w2 then holds whole 64-column pairs when F / TP % 64 == 0)
+    # and word-order bytes, ``_pairs`` / ``_words``, the same shapes: a TP shard of w2 then holds whole 64-column
+    # pairs when F / TP % 64 == 0, and whole scale words when F / TP % 128 == 0)
     (r"moe\.(w1|w3)", P(None, "expert", None, TP)),
     (r"moe\.w2", P(None, "expert", TP, None)),
     (r"moe\.(w1|w3)_(packed|pairs|words|scale)", P(None, "expert", TP, None)),

@@ -112,6 +112,24 @@ def test_reordering_goes_layer_by_layer_in_place(order, width, rng):
         ffn.use_byte_order(too_narrow, "nibbles")
 
 
+def test_serving_byte_order_prefers_words_then_pairs():
+    """"auto" serves the word order when the fast kernels run and every input width is a multiple of 128, pair
+    halves when they are multiples of 64 only, and the checkpoint order otherwise (bf16 or converted experts, no
+    MoE, or no fast kernels); an explicit order is kept."""
+    wide = MoEStack(ModelConfig(**WIDE, experts_mxfp4=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    pairs_only = MoEStack(ModelConfig(**{**BASE, "moe_intermediate_size": 64}, experts_mxfp4=True),
+                          dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    bf16 = MoEStack(ModelConfig(**WIDE), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert ffn.serving_byte_order(wide, "auto", True) == "words"
+    assert ffn.serving_byte_order(pairs_only, "auto", True) == "pairs"
+    assert ffn.serving_byte_order(wide, "auto", False) == "checkpoint"
+    assert ffn.serving_byte_order(bf16, "auto", True) == "checkpoint"
+    assert ffn.serving_byte_order(None, "auto", True) == "checkpoint"
+    assert ffn.serving_byte_order(pairs_only, "pairs", False) == "pairs"
+    ffn.use_byte_order(wide, "words")
+    assert ffn.serving_byte_order(wide, "auto", True) == "checkpoint"  # already converted: nothing left to do
+
+
 def test_wide_scales_are_not_narrow():
     """A scale code above 128 (block scale 2**2) turns the word order's folded decode off."""
     cfg = ModelConfig(**WIDE, experts_mxfp4=True)

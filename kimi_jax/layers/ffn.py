@@ -84,6 +84,7 @@ class MoEStack(nnx.Module):
     latent up [L, Rl, D]; routed experts w1 (gate), w3 (up): bf16 [L, E, Din, F] or MXFP4 packed
     [L, E, F, Din/2] + scales [L, E, F, Din/32]; w2 (down): [L, E, F, Din] or packed [L, E, Din, F/2] + scales;
     shared experts shared_gate, shared_up [L, D, Fs], shared_down [L, Fs, D] with Fs = num_shared * F.
+    After ``use_byte_order("words")`` the static ``narrow_scales`` records whether every scale code is <= 128.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
@@ -128,6 +129,17 @@ def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
 REORDERS = {"pairs": (mxfp4.to_pair_halves, 2 * mxfp4.BLOCK), "words": (mxfp4.to_word_order, 4 * mxfp4.BLOCK)}
 """In-place byte orders of MXFP4 experts -> (converter from the checkpoint order, the input width it must
 divide): the pair-halves order and the word order (:mod:`kimi_jax.quant.mxfp4`)."""
+UNDO_REORDERS = {"pairs": mxfp4.from_pair_halves, "words": mxfp4.from_word_order}
+"""Each of ``REORDERS``' byte orders -> its converter back to the checkpoint order."""
+
+
+def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool) -> str:
+    """The byte order to serve ``p``'s MXFP4 experts in for ``EngineConfig.mxfp4_byte_order`` ``order``: itself,
+    or for "auto" the word order when ``fast_kernels`` (Pallas on a GPU) and every expert input width is a multiple
+    of 128, else pair halves where they are of 64, else the checkpoint order."""
+    if order != "auto":
+        return order
+    return next((o for o in ("words", "pairs") if fast_kernels and byte_order_fits(p, o)), "checkpoint")
 
 
 def byte_order_fits(p: MoEStack | None, order: str) -> bool:
@@ -224,8 +236,8 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
             w, scale = w[j], scale[j]
             if order == "mgpu":
                 w, scale = restore_mxfp4_mgpu(w, scale)
-            elif order in ("pairs", "words"):
-                w = (mxfp4.from_pair_halves if order == "pairs" else mxfp4.from_word_order)(w)
+            elif order in UNDO_REORDERS:
+                w = UNDO_REORDERS[order](w)
             w = jnp.swapaxes(mxfp4.dequantize(w, scale, dtype=xs.dtype), -1, -2)
         else:
             w = getattr(p, n)[j]

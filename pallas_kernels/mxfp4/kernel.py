@@ -25,6 +25,12 @@ the asm, a bf16 pair per register) scales it: about 3.5 instructions per weight 
 decode (``weight_format="mxfp4_pairs_jnp"``, and the interpret-mode path). Scaling the weights rather than each
 block's fp32 ``[block_n, block_m]`` product drops a multiply and an add per product element (two per pair of
 weights at 16-row tiles; session 16 SASS count).
+
+``weight_format="mxfp4_words"`` reads the word order (:func:`kimi_jax.quant.mxfp4.to_word_order`): the same
+``[block_n, 32]`` byte tile per pair of blocks, but each 4-byte word holds 4 columns of both blocks placed so that
+one shift per bf16 pair positions sign and magnitude (Marlin's trick), and the scales come as uint32 words of 4
+blocks; ``narrow_scales`` folds the decode's bias into the scale (:func:`_word_ptx`; 9.4 SASS instructions per
+pair of weights against 15.3, session 17). It needs x as the MMA's A operand.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp", "mxfp4_words")
 """Formats decoded per pair of MX blocks: the pair-halves order with the inline-PTX decode on the GPU (jnp in
 interpret mode) or the jnp decode everywhere, and the word order (inline PTX on the GPU, jnp in interpret mode)."""
 WORD_SCALES = 4
+WORD_SHIFTS = (12, 4)
+"""Left shift of a word-order word that brings output pair 0 of the pair's first / second block to bits 12..15
+(and 28..31); pair 1 takes 4 less (:func:`_word_ptx`)."""
 """``"mxfp4_words"`` reads the E8M0 scales as uint32 words of 4 consecutive blocks (a bitcast of the uint8 array)."""
 SHARED_EXPERT = -1
 """Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
@@ -76,8 +85,7 @@ def _word_ptx(first_shift: int, scale_byte: int, narrow_scales: bool) -> str:
     8..6, ``and`` + ``or`` keep the sign: ``E2M1 * 2**-126`` in each half (code 1 a bf16 subnormal). The scale
     byte goes to the exponent field of both halves (``prmt`` + ``shr``; ``max`` turns code 0 into the subnormal
     2**-127). ``narrow_scales`` (every code at most 128): the scale is ``2**(s - 1)`` (exponent field ``s + 126``),
-    the bias folded in, one
-    ``mul.rn.bf16x2`` per pair; otherwise a multiply by 2**126 first. Exact either way.
+    the bias folded in, one ``mul.rn.bf16x2`` per pair; otherwise a multiply by 2**126 first. Exact either way.
 
     Unlike the pair-halves decode this is not a per-byte map: it needs Triton to hand the asm 4 bytes that are one
     aligned word in memory. With x as the MMA's A operand the decoded tile is the B operand, which Triton loads
@@ -110,7 +118,7 @@ def _decode_words(packed: jax.Array, word: jax.Array, first_byte: int, how: str,
         return tuple(pltriton.elementwise_inline_asm(
             _word_ptx(first_shift, first_byte + half, narrow_scales), args=[packed, words],
             constraints="=r,=r,r,r,r,r,r", pack=4, result_shape_dtypes=[shape])[0]
-            for half, first_shift in enumerate((12, 4)))
+            for half, first_shift in enumerate(WORD_SHIFTS))
     codes = mxfp4.word_order_codes(packed)
     scales = (((word >> (8 * (first_byte + half))) & 0xFF).astype(jnp.uint8) for half in range(2))
     return tuple(e2m1_to_bf16(c.astype(jnp.uint16)) * e8m0_to_bf16(sc)[:, None] for c, sc in zip(codes, scales))
@@ -238,7 +246,7 @@ def _scale_words(scales: jax.Array) -> jax.Array:
 def scales_are_narrow(*scales: jax.Array) -> bool:
     """Whether every E8M0 code is at most 128 (block scales up to 2, block values up to 12: trained weights), so
     the ``"mxfp4_words"`` decode may fold its bias into the scale (``narrow_scales``). One host sync."""
-    return all(bool(jnp.all(s <= 128)) for s in scales)
+    return all(int(jnp.max(s)) <= 128 for s in scales)  # a scalar per array: no stack-sized temporary
 
 
 def _output_width(weights: tuple[jax.Array, ...], weight_format: str) -> int:

@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax.api import KimiLM
-from kimi_jax.layers.ffn import byte_order_fits, use_byte_order
+from kimi_jax.layers.ffn import serving_byte_order, use_byte_order
 from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
@@ -216,9 +216,7 @@ class ModelRunner:
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
         order, moe_stack = self.config.mxfp4_byte_order, getattr(model, "moe", None)
-        if order == "auto":
-            fast = self.on_gpu and resolve_impl(impl) == "pallas"
-            order = next((o for o in ("words", "pairs") if fast and byte_order_fits(moe_stack, o)), "checkpoint")
+        order = serving_byte_order(moe_stack, order, self.on_gpu and resolve_impl(impl) == "pallas")
         if order != "checkpoint" and getattr(moe_stack, f"w1_{order}", None) is None:
             use_byte_order(moe_stack, order)  # in place: the kernel's faster byte order (EngineConfig.mxfp4_byte_order)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())

@@ -92,7 +92,7 @@ def mxfp4_words_gemm(x, packed, scales, row_experts):
     """K3's expert gate + up at decode in the word order with narrow scales (16 (token, expert) rows): what
     tile_config picks, with the folded decode."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_words",
-                                                  per_row=True, block_m=16, block_n=64, block_k=256, num_stages=4,
+                                                  per_row=True, block_m=16, block_n=64, block_k=512, num_stages=2,
                                                   narrow_scales=True)
 
 

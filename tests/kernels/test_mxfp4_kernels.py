@@ -199,7 +199,7 @@ def test_tile_config_splits_k_only_when_few_programs_would_run():
     assert "split_k" not in tile_config(8192, 56, 6144, 3584, "mxfp4")
 
 
-def test_tile_config_picks_the_pair_halves_tilings():
+def test_tile_config_picks_the_pair_halves_and_word_tilings():
     """The pair-halves and word orders get their own H200 tilings (x as the MMA's A operand at decode, 64 x 128 x
     128 tiles at prefill; the word order 512-column K steps at decode, never under 128); the checkpoint order keeps
     its own."""
@@ -562,7 +562,7 @@ def test_word_order_ptx_decode_is_exact(narrow):
     """The word-order decode's PTX (interpreted) maps element k of a packed word to bf16 element k: E2M1 of
     column k of the block (first or second of the pair, as :func:`word_order_codes` reads it) times the scale in
     byte ``scale_byte`` of the scales' word, for every scale code (narrow: codes 0..128, the folded bias)."""
-    from pallas_kernels.mxfp4.kernel import _word_ptx
+    from pallas_kernels.mxfp4.kernel import WORD_SHIFTS, _word_ptx
 
     rng = np.random.default_rng(11)
     words = [int.from_bytes(bytes([b, 255 - b, (7 * b) % 256, (b + 85) % 256]), "little") for b in range(256)]
@@ -572,7 +572,7 @@ def test_word_order_ptx_decode_is_exact(narrow):
         data = np.frombuffer(word.to_bytes(4, "little"), np.uint8)
         scale_codes = [codes[(i + j) % len(codes)] for j in range(4)]
         scale_word = int.from_bytes(bytes(scale_codes), "little")
-        for half, first_shift in enumerate((12, 4)):
+        for half, first_shift in enumerate(WORD_SHIFTS):
             block_codes = np.asarray(word_order_codes(jnp.asarray(data))[half])
             for scale_byte in (half, 2 + half):
                 out = run_ptx(_word_ptx(first_shift, scale_byte, narrow), {"$2": word, "$3": scale_word})
