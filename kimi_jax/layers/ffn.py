@@ -129,8 +129,6 @@ def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
 REORDERS = {"pairs": (mxfp4.to_pair_halves, 2 * mxfp4.BLOCK), "words": (mxfp4.to_word_order, 4 * mxfp4.BLOCK)}
 """In-place byte orders of MXFP4 experts -> (converter from the checkpoint order, the input width it must
 divide): the pair-halves order and the word order (:mod:`kimi_jax.quant.mxfp4`)."""
-UNDO_REORDERS = {"pairs": mxfp4.from_pair_halves, "words": mxfp4.from_word_order}
-"""Each of ``REORDERS``' byte orders -> its converter back to the checkpoint order."""
 
 
 def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool) -> str:
@@ -236,8 +234,8 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
             w, scale = w[j], scale[j]
             if order == "mgpu":
                 w, scale = restore_mxfp4_mgpu(w, scale)
-            elif order in UNDO_REORDERS:
-                w = UNDO_REORDERS[order](w)
+            elif order in mxfp4.FROM_BYTE_ORDER:
+                w = mxfp4.FROM_BYTE_ORDER[order](w)
             w = jnp.swapaxes(mxfp4.dequantize(w, scale, dtype=xs.dtype), -1, -2)
         else:
             w = getattr(p, n)[j]

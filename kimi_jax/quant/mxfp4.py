@@ -69,6 +69,11 @@ def unpack_codes(packed: jax.Array) -> jax.Array:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """Inverse of :func:`unpack_codes`: E2M1 codes ``[..., out, in]`` -> ``packed [..., out, in/2]`` uint8."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+
+
 def _dequantize_bits(codes: jax.Array, scales: jax.Array) -> jax.Array:
     """float32 bit patterns of ``E2M1[codes] * 2**(scales - 127)``; ``codes [..., 32]``, ``scales [...]``.
 
@@ -140,8 +145,7 @@ def from_pair_halves(packed: jax.Array) -> jax.Array:
     """Inverse of :func:`to_pair_halves`: pair-halves bytes -> compressed-tensors ``packed [..., out, in/2]``."""
     *lead, n_out, n_half = packed.shape
     pairs = packed.reshape(*lead, n_out, n_half // BLOCK, 1, BLOCK)
-    codes = jnp.concatenate([pairs & 0xF, pairs >> 4], axis=-2).reshape(*lead, n_out, 2 * n_half)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+    return pack_codes(jnp.concatenate([pairs & 0xF, pairs >> 4], axis=-2).reshape(*lead, n_out, 2 * n_half))
 
 
 def to_word_order(packed: jax.Array) -> jax.Array:
@@ -175,5 +179,8 @@ def from_word_order(words: jax.Array) -> jax.Array:
     """Inverse of :func:`to_word_order`: word-order bytes -> compressed-tensors ``packed [..., out, in/2]``."""
     *lead, n_out, n_half = words.shape
     a, b = (c.reshape(*lead, n_out, n_half // BLOCK, 1, BLOCK) for c in word_order_codes(words))
-    codes = jnp.concatenate([a, b], axis=-2).reshape(*lead, n_out, 2 * n_half)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+    return pack_codes(jnp.concatenate([a, b], axis=-2).reshape(*lead, n_out, 2 * n_half))
+
+
+FROM_BYTE_ORDER = {"pairs": from_pair_halves, "words": from_word_order}
+"""Kernel byte order -> its converter back to the compressed-tensors order."""

@@ -52,10 +52,10 @@ PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp", "mxfp4_words")
 """Formats decoded per pair of MX blocks: the pair-halves order with the inline-PTX decode on the GPU (jnp in
 interpret mode) or the jnp decode everywhere, and the word order (inline PTX on the GPU, jnp in interpret mode)."""
 WORD_SCALES = 4
+"""``"mxfp4_words"`` reads the E8M0 scales as uint32 words of 4 consecutive blocks (a bitcast of the uint8 array)."""
 WORD_SHIFTS = (12, 4)
 """Left shift of a word-order word that brings output pair 0 of the pair's first / second block to bits 12..15
 (and 28..31); pair 1 takes 4 less (:func:`_word_ptx`)."""
-"""``"mxfp4_words"`` reads the E8M0 scales as uint32 words of 4 consecutive blocks (a bitcast of the uint8 array)."""
 SHARED_EXPERT = -1
 """Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
 
@@ -195,7 +195,8 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                 packed = packed_ref[expert, cols, pl.ds(first_byte, MX_BLOCK)]  # [bn, 32] uint8
                 first_block = k * (block_k // MX_BLOCK) + 2 * pair
                 if weight_format == "mxfp4_words":  # the scales of 2 pairs in one uint32 per column
-                    word = scales_ref[expert, cols, k * (block_k // (WORD_SCALES * MX_BLOCK)) + pair // 2]
+                    if pair % 2 == 0:  # loaded once for this pair and the next
+                        word = scales_ref[expert, cols, k * (block_k // (WORD_SCALES * MX_BLOCK)) + pair // 2]
                     weights = _decode_words(packed, word, 2 * (pair % 2), pairs_decode, narrow_scales)
                 else:
                     scales = tuple(e8m0_to_bf16(scales_ref[expert, cols, first_block + half]) for half in range(2))

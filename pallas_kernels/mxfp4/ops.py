@@ -8,7 +8,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.quant.mxfp4 import dequantize, from_pair_halves, from_word_order
+from kimi_jax.quant.mxfp4 import FROM_BYTE_ORDER, dequantize
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, restore_weights
 from pallas_kernels.mxfp4.kernel import PAIRS_FORMATS, SHARED_EXPERT, grouped_gemm_concat_pallas
@@ -146,7 +146,7 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
             return mxfp4_grouped_matmul_mgpu(x, flat, groups, offset, **cfg)
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        unpair = {"pairs": from_pair_halves, "words": from_word_order}.get(byte_order, lambda a: a)
+        unpair = FROM_BYTE_ORDER.get(byte_order, lambda a: a)
         product, x = (rows_matmul_reference, _repeat_rows(x, groups)) if per_row else (grouped_matmul_reference, x)
         return jnp.concatenate([product(x, jnp.swapaxes(dequantize(unpair(pick(p)), pick(s), jnp.float32), 1, 2),
                                         groups) for p, s in matrices], axis=-1)
