@@ -36,7 +36,11 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
         # Word decode, x as the MMA's A operand. K3 gate + up, narrow scales, H200 (session 17 sweep): 8 / 64 /
         # 256 tokens over 56 experts and 256 over 112: 50.5 / 247.7 / 313.2 / 601.6 us against 51.9 / 258.8 /
         # 330.3 / 642.6 us for the pair-halves pick below (and 66.6 / 325.4 / 414.3 / 801.2 us for pair halves).
-        cfg = dict(block_m=16, block_n=64, block_k=512, num_warps=4, num_stages=2)
+        # From 2 rows per expert, 2 warps (each 32 of the 64 columns, so x's fragments feed twice the MMAs):
+        # 256 tokens over 56 / 112 experts (4.3 / 4.9 rows each) 305.3-307.0 / 572.8-573.4 us against
+        # 317.2-318.8 / 606.6-606.9 with 4 warps; at 4 / 8 / 64 tokens (0.05-1.2 rows) 4 warps stay ahead or
+        # equal: 34.1 / 75.1 / 231.0-232.4 against 35.8 / 78.2 / 229.4-230.1 us (session 18).
+        cfg = dict(block_m=16, block_n=64, block_k=512, num_warps=2 if rows_per_expert >= 2 else 4, num_stages=2)
     elif rows_per_expert <= 16 and pairs:
         # Pair-halves decode: 256-column K steps, x as the MMA's A operand. K3 gate + up on the H200 (session 16),
         # 8 / 64 / 256 tokens over 56 experts: 66.3 / 324.8 / 413.4 us against 88.0 / 469.8 / 605.4 us for the
@@ -68,7 +72,7 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
         # Short K loops fill a 4-deep pipeline for little work: one MoE down projection at decode (8 rows of
         # 8 experts, K=1024, N=2304) 14.1 -> 11.5 us with 3 stages on the H200 (session 8 probe; 2 stages 13.4).
         cfg["num_stages"] = 3
-    if programs < SPLIT_K_BELOW_PROGRAMS and steps > 1:
+    if 0 < programs < SPLIT_K_BELOW_PROGRAMS and steps > 1:  # (no rows: nothing to split)
         want = -(-SPLIT_K_BELOW_PROGRAMS // programs)
         cfg["split_k"] = next((d for d in range(want, steps) if steps % d == 0), steps)
     return cfg

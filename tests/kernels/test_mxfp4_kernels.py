@@ -197,6 +197,7 @@ def test_tile_config_splits_k_only_when_few_programs_would_run():
     assert "split_k" not in tile_config(8, 256, 1024, 2304, "bf16")  # 8 experts x 16 column tiles fill the GPU
     assert "split_k" not in tile_config(14, 56, 6144, 3584, "mxfp4")  # 13+ experts fill the GPU
     assert "split_k" not in tile_config(8192, 56, 6144, 3584, "mxfp4")
+    assert "split_k" not in tile_config(0, 56, 6144, 3584, "mxfp4_words")  # no rows on this device: no crash
 
 
 def test_tile_config_picks_the_pair_halves_and_word_tilings():
@@ -211,6 +212,7 @@ def test_tile_config_picks_the_pair_halves_and_word_tilings():
     assert tile_config(8212, 56, 6144, 3584, "mxfp4")["block_m"] == 128
     words = [tile_config(rows, 56, 6144, k, "mxfp4_words") for rows in (1, 262, 1024, 8212) for k in (3072, 3584)]
     assert words[2]["block_k"] == 512 and words[4]["block_m"] == 32 and words[6]["block_m"] == 64
+    assert (words[0]["num_warps"], words[2]["num_warps"]) == (4, 2)  # 2 warps from 2 rows per expert
     assert all(not cfg.get("weights_lhs") and cfg["block_k"] % 128 == 0 for cfg in words)  # what the decode needs
 
 
@@ -430,7 +432,7 @@ def test_mxfp4_words_kernel_matches_reference(layout, extreme):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Triton's register layout exists on the GPU only")
-@pytest.mark.parametrize("group_sizes", [[20, 0, 9], [20, 0, 60], [20, 0, 250]])  # decode, 32-row, prefill tiles
+@pytest.mark.parametrize("group_sizes", [[1, 0, 0], [20, 0, 9], [20, 0, 60], [20, 0, 250]])  # decode 4 / 2 warps, 32-row, prefill
 @pytest.mark.parametrize("narrow", [False, True])
 def test_mxfp4_words_at_tile_config_tilings_on_gpu(group_sizes, narrow):
     """On the GPU, at the tilings tile_config picks, the word-order decode (which needs Triton to hand its asm 4
