@@ -15,7 +15,8 @@ Two launches (spec 1.7), both reading the packed ``[T, ...]`` inputs in place (n
    (chunk-start state plus a partial-chunk correction, recomputing that chunk's ``G`` from the raw inputs).
 
 Dot operands use the input dtype (bf16 inputs -> bf16 tensor-core dots with fp32 accumulation, as
-flash-linear-attention does); fp32 inputs use exact fp32 dots. Gate, cumsum, decays, state: always fp32.
+flash-linear-attention does); fp32 inputs use exact fp32 dots. Gate, cumsum, decays, state: always fp32. The
+chunk summaries ``w, u, qg, kg, A_qk`` are stored in the dot dtype, which is what the scan's dots read them as.
 """
 
 from __future__ import annotations
@@ -163,14 +164,15 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             else:
                 a_kk, a_qk = _diagonal_block_pairwise(q, k, G)
             a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
-            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0)
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0).astype(aqk_ref.dtype)
             rhs_u, rhs_w = beta * v, beta * jnp.exp(G) * k
             q_in, k_in = q * jnp.exp(G - offset[None, :]), k * jnp.exp(G - offset[None, :])
             for j in range(NUM_SUB):
                 if j < i:  # rows in sub-chunk i, columns in sub-chunk j < i, through G at the end of sub-chunk i-1
                     k_out = keys[j] * jnp.exp(offset[None, :] - logs[j])
                     a_ij = beta * _dot(k_in, k_out, dtype, trans_b=True)
-                    aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _dot(q_in, k_out, dtype, trans_b=True)
+                    aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _dot(q_in, k_out, dtype, trans_b=True).astype(
+                        aqk_ref.dtype)
                     rhs_u = rhs_u - _dot(a_ij, solved[j][0], dtype)
                     rhs_w = rhs_w - _dot(a_ij, solved[j][1], dtype)
                 elif j > i:
@@ -281,12 +283,15 @@ def _full(shape):
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
                      block_v: int = 32, intra_warps: int | None = None, scan_warps: int = 4,
-                     num_stages: int = 2):
+                     intra_stages: int = 2, scan_stages: int = 3):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
     ``intra_warps`` defaults to the H200 sweep's best (BENCHMARKS.md, session 4, H32 T8K): 8 with the midpoint
     diagonal of the lower-bound gate (intra 1309 us against 1892 us with 4), 4 with the pairwise diagonal
-    (3122 us against 3831 us with 8). The scan is fastest with 4 (314 us against 404 us with 8).
+    (3122 us against 3831 us with 8). The scan is fastest with 4 warps (314 us against 404 us with 8) and
+    ``scan_stages=3``, which prefetches two chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update
+    (session 18, H32 T8K, lower-bound gate: 233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us;
+    4 stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (3: 863.8 against 865.5 us).
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
     | None)``.
@@ -321,13 +326,13 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     w, u, qg, kg, aqk, decay = pl.pallas_call(
         functools.partial(_intra_kernel, opts=opts),
         out_shape=(inter(head_dim, dot_dtype), inter(value_dim, dot_dtype), inter(head_dim, dot_dtype),
-                   inter(head_dim, dot_dtype), inter(CHUNK, jnp.float32),
+                   inter(head_dim, dot_dtype), inter(CHUNK, dot_dtype),
                    jax.ShapeDtypeStruct((num_value_heads, max_chunks, head_dim), jnp.float32)),
         grid=(max_chunks, num_value_heads),
         in_specs=[_full(x.shape) for x in intra_inputs],
         out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
-        compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=intra_stages),
         interpret=interpret, name="kda_chunk_intra",
     )(*intra_inputs)
 
@@ -352,7 +357,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         grid=(num_value_heads, value_dim // block_v, num_seqs),
         in_specs=[_full(x.shape) for x in scan_inputs],
         out_specs=tuple(_full(s.shape) for s in out_shape),
-        compiler_params=pltriton.CompilerParams(num_warps=scan_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=scan_warps, num_stages=scan_stages),
         interpret=interpret, name="kda_chunk_scan",
     )(*scan_inputs)
     o = outs[0].reshape(batch, seq_len, num_value_heads, value_dim)

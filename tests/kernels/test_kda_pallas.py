@@ -60,6 +60,23 @@ def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
     assert np.all(np.asarray(ours[0][0, 130:]) == 0)  # tokens past the last sequence
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="shared-memory limits exist on the GPU only")
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunk_at_kimi_head_size_with_checkpoints_fits_and_matches(lower_bound):
+    """K = V = 128 (Kimi's heads) with checkpoints and initial states: the 3-stage scan's prefetch of the chunk
+    summaries plus the checkpoint branch's k / g loads must fit the GPU's shared memory, and agree with the
+    reference (bf16 inputs, BF16_TOL)."""
+    x = prefill_inputs(5, jnp.bfloat16, heads=2, value_heads=2, head_dim=128, value_dim=128)
+    kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
+                  checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
+                  dt_bias=x["dt_bias"], lower_bound=lower_bound)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    ours = chunk_kda(*args, impl="pallas", **kwargs)
+    ref = chunk_kda(*args, impl="reference", **kwargs)
+    for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
+        assert_close(a, b, BF16_TOL, name)
+
+
 def test_chunk_dense_log_decay_matches_naive():
     """Dense batch of 2, odd length, precomputed log-decay (pairwise diagonal), no initial state, custom scale."""
     rng = np.random.default_rng(1)
