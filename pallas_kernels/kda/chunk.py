@@ -1,11 +1,13 @@
 """Pallas (Triton-style) chunked KDA prefill over packed varlen batches, with state checkpoints.
 
-Two launches (spec 1.7), both reading the packed ``[T, ...]`` inputs in place (no padding copy):
+Two launches (three without the midpoint form; spec 1.7), all reading the packed ``[T, ...]`` inputs in place
+(no padding copy):
 
 1. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
    norm, optional gate, in-chunk cumsum ``G``, then ``A_kk``/``A_qk`` by 16-token sub-chunks (off-diagonal
    blocks factor through the sub-chunk start, so every exponent is <= 0; diagonal blocks either through the
-   sub-chunk midpoint when the lower-bound gate bounds the exponent span, or pairwise), the unit-lower
+   sub-chunk midpoint when the lower-bound gate bounds the exponent span, or pairwise, read from
+   ``_diagonal_kernel``, a launch before it with one program per sub-chunk), the unit-lower
    triangular solve by block forward substitution (each 16 x 16 diagonal block inverted as a product of four
    factors), and the chunk summaries ``w, u, qg = q*Gamma,
    kg = k*exp(G_C - G), A_qk, exp(G_C)``.
@@ -137,8 +139,26 @@ def _unit_lower_inverse(a):
     return inverse
 
 
+def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, kk_ref, qk_ref, *,
+                     opts: _Options):
+    """Program (chunk, sub-chunk, value head): the sub-chunk's pairwise diagonal blocks ``k k^T * D`` and
+    ``q k^T * D`` (unmasked ``[SUB, SUB]`` fp32), from a cumsum local to the sub-chunk (only differences of ``G``
+    enter ``D``). Rows past the sequence load as zeros, so every block is finite."""
+    chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head = hv // opts.group
+    start, valid = chunk_bos_ref[chunk] + sub * SUB, chunk_len_ref[chunk] - sub * SUB
+    q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
+    k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
+    G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
+    kk_ref[...], qk_ref[...] = _diagonal_block_pairwise(q, k, G)
+
+
 def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
-                  w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref, *, opts: _Options):
+                  *refs, opts: _Options):
+    """``refs``: the pairwise diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (kk, qk) unless
+    the midpoint form applies, then the outputs ``w, u, qg, kg, aqk, decay``."""
+    diagonal_refs = () if opts.midpoint_diagonal else refs[:2]
+    w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs[len(diagonal_refs):]
     chunk, hv = pl.program_id(0), pl.program_id(1)
     head = hv // opts.group
     bos, num_valid = chunk_bos_ref[chunk], chunk_len_ref[chunk]
@@ -162,7 +182,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             if opts.midpoint_diagonal:
                 a_kk, a_qk = _diagonal_block_midpoint(q, k, G, dtype)
             else:
-                a_kk, a_qk = _diagonal_block_pairwise(q, k, G)
+                a_kk, a_qk = diagonal_refs[0][i], diagonal_refs[1][i]
             a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
             aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0).astype(aqk_ref.dtype)
             rhs_u, rhs_w = beta * v, beta * jnp.exp(G) * k
@@ -282,13 +302,16 @@ def _full(shape):
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                     block_v: int = 32, intra_warps: int | None = None, scan_warps: int = 4,
-                     intra_stages: int = 2, scan_stages: int = 3):
+                     block_v: int = 32, intra_warps: int = 8, scan_warps: int = 4, intra_stages: int = 2,
+                     scan_stages: int = 3, diagonal_warps: int = 2):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
-    ``intra_warps`` defaults to the H200 sweep's best (BENCHMARKS.md, session 4, H32 T8K): 8 with the midpoint
-    diagonal of the lower-bound gate (intra 1309 us against 1892 us with 4), 4 with the pairwise diagonal
-    (3122 us against 3831 us with 8). The scan is fastest with 4 warps (314 us against 404 us with 8) and
+    Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Without the midpoint form (no lower bound, or one
+    below ``-MIDPOINT_MAX_DECAY``) the pairwise diagonal blocks' row loop runs in a third launch, grid (chunk,
+    sub-chunk, value head) with ``diagonal_warps``, before the intra kernel (session 18, softplus gate: diagonal
+    620 us with 2 warps, 986 with 4, 1309 with 1; intra 821-823 us with 8 warps, 1498 with 4; the whole prefill
+    1664 us against 3215 us with the loop inside the intra kernel). ``intra_warps=8`` with the midpoint diagonal:
+    1309 us against 1892 us with 4 (session 4). The scan is fastest with 4 warps (314 us against 404 us with 8) and
     ``scan_stages=3``, which prefetches two chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update
     (session 18, H32 T8K, lower-bound gate: 233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us;
     4 stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (3: 863.8 against 865.5 us).
@@ -317,19 +340,31 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     dt_bias = dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim)
     max_chunks, chunk_meta, seq_meta = _chunk_plan(cu_seqlens.astype(jnp.int32), num_seqs, num_tokens)
     interpret = interpret_mode()
-    if intra_warps is None:
-        intra_warps = 8 if opts.midpoint_diagonal else 4
+    if opts.midpoint_diagonal:
+        diagonal = ()
+    else:  # the pairwise diagonal blocks' row loop, in programs of their own (many small ones per SM)
+        diagonal_inputs = (*chunk_meta, q, k, g, a_log, dt_bias)
+        diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), jnp.float32)
+        diag_block = pl.BlockSpec((None, None, None, SUB, SUB), lambda c, i, h: (h, c, i, 0, 0))
+        diagonal = pl.pallas_call(
+            functools.partial(_diagonal_kernel, opts=opts), out_shape=(diag, diag),
+            grid=(max_chunks, NUM_SUB, num_value_heads), in_specs=[_full(x.shape) for x in diagonal_inputs],
+            out_specs=(diag_block, diag_block),
+            compiler_params=pltriton.CompilerParams(num_warps=diagonal_warps, num_stages=1),
+            interpret=interpret, name="kda_chunk_diagonal",
+        )(*diagonal_inputs)
 
     inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
     block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
-    intra_inputs = (*chunk_meta, q, k, v, g, beta, a_log, dt_bias)
+    intra_inputs = (*chunk_meta, q, k, v, g, beta, a_log, dt_bias, *diagonal)
+    diagonal_specs = [pl.BlockSpec((None, None, NUM_SUB, SUB, SUB), lambda c, h: (h, c, 0, 0, 0))] * len(diagonal)
     w, u, qg, kg, aqk, decay = pl.pallas_call(
         functools.partial(_intra_kernel, opts=opts),
         out_shape=(inter(head_dim, dot_dtype), inter(value_dim, dot_dtype), inter(head_dim, dot_dtype),
                    inter(head_dim, dot_dtype), inter(CHUNK, dot_dtype),
                    jax.ShapeDtypeStruct((num_value_heads, max_chunks, head_dim), jnp.float32)),
         grid=(max_chunks, num_value_heads),
-        in_specs=[_full(x.shape) for x in intra_inputs],
+        in_specs=[_full(x.shape) for x in intra_inputs[:len(intra_inputs) - len(diagonal)]] + diagonal_specs,
         out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
         compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=intra_stages),

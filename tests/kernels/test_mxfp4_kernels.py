@@ -432,7 +432,8 @@ def test_mxfp4_words_kernel_matches_reference(layout, extreme):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Triton's register layout exists on the GPU only")
-@pytest.mark.parametrize("group_sizes", [[1, 0, 0], [20, 0, 9], [20, 0, 60], [20, 0, 250]])  # decode 4 / 2 warps, 32-row, prefill
+# decode tiles with 4 / 2 warps, the 32-row tile, the prefill tile
+@pytest.mark.parametrize("group_sizes", [[1, 0, 0], [20, 0, 9], [20, 0, 60], [20, 0, 250]])
 @pytest.mark.parametrize("narrow", [False, True])
 def test_mxfp4_words_at_tile_config_tilings_on_gpu(group_sizes, narrow):
     """On the GPU, at the tilings tile_config picks, the word-order decode (which needs Triton to hand its asm 4
