@@ -41,18 +41,23 @@ def prefill_inputs(seed, dtype, num_tokens=133, heads=1, value_heads=2, head_dim
                 initial_state=arr((len(CU) - 1, value_heads, head_dim, value_dim), jnp.float32))
 
 
+def varlen_pallas_and_reference(x, lower_bound):
+    """(Pallas, reference) results of the varlen batch ``CU`` with in-kernel gate and L2 norm, initial states and
+    the checkpoints ``POSITIONS``."""
+    kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
+                  checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
+                  dt_bias=x["dt_bias"], lower_bound=lower_bound)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    return chunk_kda(*args, impl="pallas", **kwargs), chunk_kda(*args, impl="reference", **kwargs)
+
+
 @pytest.mark.slow  # ~15 s CPU per case: interpret-mode compile of the full intra + scan kernels
 @pytest.mark.parametrize("dtype,lower_bound", [(jnp.float32, -5.0), (jnp.bfloat16, None)])
 def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
     """Varlen with empty / one-token sequences and padding, GVA, in-kernel gate (both forms; the -5 bound takes
     the midpoint diagonal path, softplus the pairwise one) and L2 norm, initial states, checkpoints."""
     x = prefill_inputs(0, dtype)
-    kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
-                  checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
-                  dt_bias=x["dt_bias"], lower_bound=lower_bound)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    ours = chunk_kda(*args, impl="pallas", **kwargs)
-    ref = chunk_kda(*args, impl="reference", **kwargs)
+    ours, ref = varlen_pallas_and_reference(x, lower_bound)
     tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
     assert ours[0].dtype == dtype
     for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
@@ -67,12 +72,7 @@ def test_chunk_at_kimi_head_size_with_checkpoints_fits_and_matches(lower_bound):
     summaries plus the checkpoint branch's k / g loads must fit the GPU's shared memory, and agree with the
     reference (bf16 inputs, BF16_TOL)."""
     x = prefill_inputs(5, jnp.bfloat16, heads=2, value_heads=2, head_dim=128, value_dim=128)
-    kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
-                  checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
-                  dt_bias=x["dt_bias"], lower_bound=lower_bound)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    ours = chunk_kda(*args, impl="pallas", **kwargs)
-    ref = chunk_kda(*args, impl="reference", **kwargs)
+    ours, ref = varlen_pallas_and_reference(x, lower_bound)
     for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
         assert_close(a, b, BF16_TOL, name)
 
