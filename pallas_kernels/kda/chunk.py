@@ -45,7 +45,7 @@ MIDPOINT_MAX_DECAY = 10.0
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """Static options shared by both kernels."""
+    """Static options shared by the kernels."""
 
     group: int  # value heads per q/k head (HV // H)
     scale: float
@@ -143,14 +143,24 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_log_re
                      opts: _Options):
     """Program (chunk, sub-chunk, value head): the sub-chunk's pairwise diagonal blocks ``k k^T * D`` and
     ``q k^T * D`` (unmasked ``[SUB, SUB]`` fp32), from a cumsum local to the sub-chunk (only differences of ``G``
-    enter ``D``). Rows past the sequence load as zeros, so every block is finite."""
+    enter ``D``). Rows past the sequence load as zeros; a sub-chunk with none left (the last chunk's tail, the
+    padding chunks) skips the row loop and stores zeros, since the intra kernel reads every sub-chunk of a chunk
+    it computes and its blocks must stay finite."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
     start, valid = chunk_bos_ref[chunk] + sub * SUB, chunk_len_ref[chunk] - sub * SUB
-    q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
-    k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
-    G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
-    kk_ref[...], qk_ref[...] = _diagonal_block_pairwise(q, k, G)
+
+    @pl.when(valid > 0)
+    def _():
+        q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
+        k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
+        G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
+        kk_ref[...], qk_ref[...] = _diagonal_block_pairwise(q, k, G)
+
+    @pl.when(valid <= 0)
+    def _():
+        kk_ref[...] = jnp.zeros((SUB, SUB), jnp.float32)
+        qk_ref[...] = jnp.zeros((SUB, SUB), jnp.float32)
 
 
 def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,

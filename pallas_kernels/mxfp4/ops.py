@@ -38,8 +38,9 @@ def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_
         # 330.3 / 642.6 us for the pair-halves pick below (and 66.6 / 325.4 / 414.3 / 801.2 us for pair halves).
         # From 2 rows per expert, 2 warps (each 32 of the 64 columns, so x's fragments feed twice the MMAs):
         # 256 tokens over 56 / 112 experts (4.3 / 4.9 rows each) 305.3-307.0 / 572.8-573.4 us against
-        # 317.2-318.8 / 606.6-606.9 with 4 warps; at 4 / 8 / 64 tokens (0.05-1.2 rows) 4 warps stay ahead or
-        # equal: 34.1 / 75.1 / 231.0-232.4 against 35.8 / 78.2 / 229.4-230.1 us (session 18).
+        # 317.2-318.8 / 606.6-606.9 with 4 warps; at 4 / 8 tokens (0.05 / 0.2 rows) 4 warps are ahead (34.1 /
+        # 75.1 against 35.8 / 78.2 us), at 64 (1.2 rows) within 1% (231.0-232.4 against 229.4-230.1; session 18).
+        # No size between 1.2 and 4.3 rows per expert was timed.
         cfg = dict(block_m=16, block_n=64, block_k=512, num_warps=2 if rows_per_expert >= 2 else 4, num_stages=2)
     elif rows_per_expert <= 16 and pairs:
         # Pair-halves decode: 256-column K steps, x as the MMA's A operand. K3 gate + up on the H200 (session 16),

@@ -52,7 +52,7 @@ def varlen_pallas_and_reference(x, lower_bound):
 
 
 @pytest.mark.slow  # ~15 s CPU per case: interpret-mode compile of the full intra + scan kernels
-@pytest.mark.parametrize("dtype,lower_bound", [(jnp.float32, -5.0), (jnp.bfloat16, None)])
+@pytest.mark.parametrize("dtype,lower_bound", [(jnp.float32, -5.0), (jnp.bfloat16, None), (jnp.float32, None)])
 def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
     """Varlen with empty / one-token sequences and padding, GVA, in-kernel gate (both forms; the -5 bound takes
     the midpoint diagonal path, softplus the pairwise one) and L2 norm, initial states, checkpoints."""
