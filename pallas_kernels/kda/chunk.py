@@ -145,7 +145,8 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_log_re
     ``q k^T * D`` (unmasked ``[SUB, SUB]`` fp32), from a cumsum local to the sub-chunk (only differences of ``G``
     enter ``D``). Rows past the sequence load as zeros; a sub-chunk with none left (the last chunk's tail, the
     padding chunks) skips the row loop and stores zeros, since the intra kernel reads every sub-chunk of a chunk
-    it computes and its blocks must stay finite."""
+    it computes and its blocks must stay finite. The q / k L2 norm and the gate are computed here and again in
+    the intra kernel, rather than written out once and read back (not timed against that)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
     start, valid = chunk_bos_ref[chunk] + sub * SUB, chunk_len_ref[chunk] - sub * SUB
@@ -366,20 +367,20 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
 
     inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
     block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
-    intra_inputs = (*chunk_meta, q, k, v, g, beta, a_log, dt_bias, *diagonal)
-    diagonal_specs = [pl.BlockSpec((None, None, NUM_SUB, SUB, SUB), lambda c, h: (h, c, 0, 0, 0))] * len(diagonal)
+    whole_inputs = (*chunk_meta, q, k, v, g, beta, a_log, dt_bias)
+    diagonal_spec = pl.BlockSpec((None, None, NUM_SUB, SUB, SUB), lambda c, h: (h, c, 0, 0, 0))  # this chunk's
     w, u, qg, kg, aqk, decay = pl.pallas_call(
         functools.partial(_intra_kernel, opts=opts),
         out_shape=(inter(head_dim, dot_dtype), inter(value_dim, dot_dtype), inter(head_dim, dot_dtype),
                    inter(head_dim, dot_dtype), inter(CHUNK, dot_dtype),
                    jax.ShapeDtypeStruct((num_value_heads, max_chunks, head_dim), jnp.float32)),
         grid=(max_chunks, num_value_heads),
-        in_specs=[_full(x.shape) for x in intra_inputs[:len(intra_inputs) - len(diagonal)]] + diagonal_specs,
+        in_specs=[_full(x.shape) for x in whole_inputs] + [diagonal_spec] * len(diagonal),
         out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
         compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=intra_stages),
         interpret=interpret, name="kda_chunk_intra",
-    )(*intra_inputs)
+    )(*whole_inputs, *diagonal)
 
     has_initial_state = initial_state is not None
     s0 = initial_state.astype(jnp.float32) if has_initial_state else jnp.zeros((1,), jnp.float32)

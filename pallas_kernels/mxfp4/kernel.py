@@ -90,8 +90,9 @@ def _word_ptx(first_shift: int, scale_byte: int, narrow_scales: bool) -> str:
     Unlike the pair-halves decode this is not a per-byte map: it needs Triton to hand the asm 4 bytes that are one
     aligned word in memory. With x as the MMA's A operand the decoded tile is the B operand, which Triton loads
     4 consecutive K bytes per thread (and permutes K in both operands alike); with the weights as A (wgmma's
-    register operand) the 4 bytes are K pairs 8 apart, and the result is wrong (H200, session 17). So the word
-    order runs with ``weights_lhs=False`` only, and the GPU tests check it at the tilings ``tile_config`` picks."""
+    register operand) the 4 bytes are K pairs 8 apart, and the result is wrong (H200, session 17); as mma.sync's
+    A operand (1-2 warps) it is right but no faster (session 18). So the word order runs with
+    ``weights_lhs=False`` only, and the GPU tests check it at the tilings ``tile_config`` picks."""
     selector = f"0x{scale_byte}4{scale_byte}4"  # byte scale_byte of $3 into bytes 1 and 3, zeros elsewhere
     lines = [f"prmt.b32 c, $3, z, {selector}; shr.b32 c, c, 1;"]
     lines.append("add.u32 c, c, 0x3F003F00;" if narrow_scales else "mov.b32 m, 0x00400040; max.u16x2 c, c, m;")
