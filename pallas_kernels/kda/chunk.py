@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.impl import interpret_mode
-from pallas_kernels.kda.reference import gate_from_logits
+from pallas_kernels.kda.reference import SOFTPLUS_THRESHOLD, gate_from_logits
 
 CHUNK = 64
 SUB = 16
@@ -41,6 +41,7 @@ NUM_SUB = CHUNK // SUB
 L2_EPS = 1e-6
 # The midpoint factorisation of a 16-token diagonal block forms exp(+-8 |g|); |g| <= 10 keeps it below e^80.
 MIDPOINT_MAX_DECAY = 10.0
+LOG2_E, LN_2 = 1.4426950408889634, 0.6931471805599453
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,31 @@ class _Options:
     has_gate: bool
     lower_bound: float | None
     dot_dtype: jnp.dtype
+    fast_math: bool  # PTX ex2 / lg2 / rcp approximations (GPU) in place of libdevice's exact expf / log1pf / divide
+
+    def exp(self, x):
+        return _ptx_unary("ex2.approx.ftz.f32", x * LOG2_E) if self.fast_math else jnp.exp(x)
+
+    def log_decay(self, z, a):
+        """:func:`gate_from_logits` of fp32 logits ``z`` and ``a = exp(A_log)``; with ``fast_math`` from the
+        approximations (absolute error ~1e-7 on the log-decay where ``1 + exp(z)`` rounds to 1)."""
+        if not self.fast_math:
+            return gate_from_logits(z, a, self.lower_bound)
+        if self.lower_bound is not None:
+            return self.lower_bound * _ptx_unary("rcp.approx.ftz.f32", 1.0 + self.exp(-a * z))
+        capped = jnp.minimum(z, SOFTPLUS_THRESHOLD)
+        softplus = LN_2 * _ptx_unary("lg2.approx.ftz.f32", 1.0 + self.exp(capped))
+        return -a * jnp.where(z > SOFTPLUS_THRESHOLD, z, softplus)
 
     @property
     def midpoint_diagonal(self) -> bool:
         return self.has_gate and self.lower_bound is not None and -self.lower_bound <= MIDPOINT_MAX_DECAY
+
+
+def _ptx_unary(instruction: str, x):
+    """One PTX ``instruction d, a`` per fp32 element of ``x`` (GPU only)."""
+    return pltriton.elementwise_inline_asm(f"{instruction} $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
 def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -89,7 +111,7 @@ def _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, head, num_valid, rows,
     g = _load_rows(g_ref, start, head, num_valid, rows)
     if opts.has_gate:
         z = g + dt_bias_ref[head, :].astype(jnp.float32)[None, :]
-        g = gate_from_logits(z, jnp.exp(a_log_ref[head].astype(jnp.float32)), opts.lower_bound)
+        g = opts.log_decay(z, jnp.exp(a_log_ref[head].astype(jnp.float32)))
         g = jnp.where(_row_mask(num_valid, rows)[:, None], g, 0.0)
     return g
 
@@ -100,14 +122,14 @@ def _select_row(x, r):
     return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0)
 
 
-def _diagonal_block_pairwise(q, k, G):
+def _diagonal_block_pairwise(q, k, G, opts):
     """``(k k^T * D, q k^T * D)`` for one 16-token block, D_rc = exp(G_r - G_c) masked (c <= r) before exp."""
     rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     col_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
 
     def body(r, carry):
         a_kk, a_qk = carry
-        decay = jnp.exp(jnp.where(col_index <= r, _select_row(G, r)[None, :] - G, -jnp.inf))  # [SUB(c), K]
+        decay = opts.exp(jnp.where(col_index <= r, _select_row(G, r)[None, :] - G, -jnp.inf))  # [SUB(c), K]
         kd = k * decay
         kk = jnp.sum(kd * _select_row(k, r)[None, :], axis=1)  # [SUB(c)]
         qk = jnp.sum(kd * _select_row(q, r)[None, :], axis=1)
@@ -117,11 +139,11 @@ def _diagonal_block_pairwise(q, k, G):
     return lax.fori_loop(0, SUB, body, (zeros, zeros))
 
 
-def _diagonal_block_midpoint(q, k, G, dtype):
+def _diagonal_block_midpoint(q, k, G, opts):
     """Same as the pairwise form through the block midpoint: exponents bounded by 8 |g| (lower-bound gate)."""
     mid = _select_row(G, SUB // 2)[None, :]
-    k_out = k * jnp.exp(mid - G)
-    return _dot(k * jnp.exp(G - mid), k_out, dtype, trans_b=True), _dot(q * jnp.exp(G - mid), k_out, dtype,
+    k_out, dtype = k * opts.exp(mid - G), opts.dot_dtype
+    return _dot(k * opts.exp(G - mid), k_out, dtype, trans_b=True), _dot(q * opts.exp(G - mid), k_out, dtype,
                                                                         trans_b=True)
 
 
@@ -156,7 +178,7 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_log_re
         q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
         k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
         G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
-        kk_ref[...], qk_ref[...] = _diagonal_block_pairwise(q, k, G)
+        kk_ref[...], qk_ref[...] = _diagonal_block_pairwise(q, k, G, opts)
 
     @pl.when(valid <= 0)
     def _():
@@ -191,16 +213,17 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             G = offset[None, :] + jnp.cumsum(
                 _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
             if opts.midpoint_diagonal:
-                a_kk, a_qk = _diagonal_block_midpoint(q, k, G, dtype)
+                a_kk, a_qk = _diagonal_block_midpoint(q, k, G, opts)
             else:
                 a_kk, a_qk = diagonal_refs[0][i], diagonal_refs[1][i]
             a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
             aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0).astype(aqk_ref.dtype)
-            rhs_u, rhs_w = beta * v, beta * jnp.exp(G) * k
-            q_in, k_in = q * jnp.exp(G - offset[None, :]), k * jnp.exp(G - offset[None, :])
+            rhs_u, rhs_w = beta * v, beta * opts.exp(G) * k
+            from_offset = opts.exp(G - offset[None, :])
+            q_in, k_in = q * from_offset, k * from_offset
             for j in range(NUM_SUB):
                 if j < i:  # rows in sub-chunk i, columns in sub-chunk j < i, through G at the end of sub-chunk i-1
-                    k_out = keys[j] * jnp.exp(offset[None, :] - logs[j])
+                    k_out = keys[j] * opts.exp(offset[None, :] - logs[j])
                     a_ij = beta * _dot(k_in, k_out, dtype, trans_b=True)
                     aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _dot(q_in, k_out, dtype, trans_b=True).astype(
                         aqk_ref.dtype)
@@ -212,14 +235,14 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             u, w = _dot(t_ii, rhs_u, dtype), _dot(t_ii, rhs_w, dtype)
             u_ref[pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
             w_ref[pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
-            qg_ref[pl.ds(i * SUB, SUB), :] = (q * jnp.exp(G)).astype(qg_ref.dtype)
+            qg_ref[pl.ds(i * SUB, SUB), :] = (q * opts.exp(G)).astype(qg_ref.dtype)
             keys.append(k)
             logs.append(G)
             solved.append((u, w))
             offset = _select_row(G, SUB - 1)
         for i in range(NUM_SUB):
-            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * jnp.exp(offset[None, :] - logs[i])).astype(kg_ref.dtype)
-        decay_ref[...] = jnp.exp(offset)
+            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * opts.exp(offset[None, :] - logs[i])).astype(kg_ref.dtype)
+        decay_ref[...] = opts.exp(offset)
 
 
 def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref, seq_len_ref, positions_ref, w_ref,
@@ -263,9 +286,9 @@ def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref,
                 G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, CHUNK, opts),
                                axis=0)
                 G_r = _select_row(G, taken - 1)[None, :]
-                k_to_r = k * jnp.exp(jnp.where(rows < taken, G_r - G, -jnp.inf))
+                k_to_r = k * opts.exp(jnp.where(rows < taken, G_r - G, -jnp.inf))
                 checkpoint_refs[0][seq, p, hv, :, vs] = (
-                    jnp.exp(G_r).reshape(head_dim, 1) * state + _dot(k_to_r, u_tilde, dtype, trans_a=True))
+                    opts.exp(G_r).reshape(head_dim, 1) * state + _dot(k_to_r, u_tilde, dtype, trans_a=True))
 
         decay = decay_ref[hv, chunk].reshape(head_dim, 1)
         return decay * state + _dot(kg_ref[hv, chunk], u_tilde, dtype, trans_a=True)
@@ -314,7 +337,7 @@ def _full(shape):
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
                      block_v: int = 32, intra_warps: int = 8, scan_warps: int = 4, intra_stages: int = 2,
-                     scan_stages: int = 3, diagonal_warps: int = 2):
+                     scan_stages: int = 3, diagonal_warps: int = 2, fast_math: bool | None = None):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
     Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Without the midpoint form (no lower bound, or one
@@ -340,9 +363,11 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     num_seqs = cu_seqlens.shape[0] - 1
     block_v = min(block_v, value_dim)
     dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+    interpret = interpret_mode()
+    fast_math = not interpret if fast_math is None else fast_math
     opts = _Options(group=num_value_heads // num_heads, scale=head_dim**-0.5 if scale is None else float(scale),
                     normalize_qk=use_qk_l2norm, has_gate=A_log is not None, lower_bound=lower_bound,
-                    dot_dtype=dot_dtype)
+                    dot_dtype=dot_dtype, fast_math=fast_math)
     flat = lambda x: x.reshape((num_tokens,) + x.shape[2:])
     q, k, v, g, beta = map(flat, (q, k, v, g, beta))
     if A_log is None:
@@ -350,7 +375,6 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     a_log = A_log.astype(jnp.float32)
     dt_bias = dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim)
     max_chunks, chunk_meta, seq_meta = _chunk_plan(cu_seqlens.astype(jnp.int32), num_seqs, num_tokens)
-    interpret = interpret_mode()
     if opts.midpoint_diagonal:
         diagonal = ()
     else:  # the pairwise diagonal blocks' row loop, in programs of their own (many small ones per SM)

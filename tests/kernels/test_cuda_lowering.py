@@ -98,9 +98,10 @@ def mxfp4_words_gemm(x, packed, scales, row_experts):
 
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     """Kimi-Linear's varlen prefill (H=32, K=V=128): in-kernel gate and L2 norm; the softplus gate takes the
-    pairwise diagonal blocks, the lower bound the midpoint ones."""
+    pairwise diagonal blocks, the lower bound the midpoint ones; the GPU's PTX approximations of exp, the gate's
+    log and its reciprocal (inline asm, which interpret mode cannot run)."""
     return kda_chunk.chunk_kda_pallas(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True, A_log=a_log,
-                                      dt_bias=dt_bias, lower_bound=lower_bound)
+                                      dt_bias=dt_bias, lower_bound=lower_bound, fast_math=True)
 
 
 KDA_PREFILL_ARGS = [*[S((1, 1024, 32, 128), jnp.bfloat16)] * 3, S((1, 1024, 32, 128), jnp.float32),
