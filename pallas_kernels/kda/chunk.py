@@ -19,6 +19,10 @@ Two launches (three without the midpoint form; spec 1.7), all reading the packed
 Dot operands use the input dtype (bf16 inputs -> bf16 tensor-core dots with fp32 accumulation, as
 flash-linear-attention does); fp32 inputs use exact fp32 dots. Gate, cumsum, decays, state: always fp32. The
 chunk summaries ``w, u, qg, kg, A_qk`` are stored in the dot dtype, which is what the scan's dots read them as.
+On the GPU, ``exp`` and the gate's ``log1p`` and reciprocal are PTX approximations (``ex2`` / ``lg2`` / ``rcp
+.approx.ftz``; ~2e-7 relative plus the rounding of ``x log2(e)``, below 1e-5 for the exponents here; the fp32
+tests hold 1e-4 on the H200): libdevice's exact ``expf`` took a large share of the intra kernel's elementwise
+instructions (session 19: H32 T8K 998.6 us against 1076.8 us). Interpret mode keeps ``jnp.exp``.
 """
 
 from __future__ import annotations
@@ -349,6 +353,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     ``scan_stages=3``, which prefetches two chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update
     (session 18, H32 T8K, lower-bound gate: 233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us;
     4 stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (3: 863.8 against 865.5 us).
+    ``fast_math`` (default: on the GPU) picks the PTX approximations over ``jnp.exp`` / the exact gate.
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
     | None)``.
