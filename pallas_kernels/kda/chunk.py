@@ -61,6 +61,7 @@ class _Options:
     fast_math: bool  # PTX ex2 / lg2 / rcp approximations (GPU) in place of libdevice's exact expf / log1pf / divide
 
     def exp(self, x):
+        """``exp`` of an fp32 tile: ``ex2.approx.ftz(x log2 e)`` with ``fast_math``, else ``jnp.exp``."""
         return _ptx_unary("ex2.approx.ftz.f32", x * LOG2_E) if self.fast_math else jnp.exp(x)
 
     def log_decay(self, z, a):
@@ -146,9 +147,8 @@ def _diagonal_block_pairwise(q, k, G, opts):
 def _diagonal_block_midpoint(q, k, G, opts):
     """Same as the pairwise form through the block midpoint: exponents bounded by 8 |g| (lower-bound gate)."""
     mid = _select_row(G, SUB // 2)[None, :]
-    k_out, dtype = k * opts.exp(mid - G), opts.dot_dtype
-    return _dot(k * opts.exp(G - mid), k_out, dtype, trans_b=True), _dot(q * opts.exp(G - mid), k_out, dtype,
-                                                                        trans_b=True)
+    k_out, from_mid, dtype = k * opts.exp(mid - G), opts.exp(G - mid), opts.dot_dtype
+    return _dot(k * from_mid, k_out, dtype, trans_b=True), _dot(q * from_mid, k_out, dtype, trans_b=True)
 
 
 def _unit_lower_inverse(a):
@@ -222,7 +222,8 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
                 a_kk, a_qk = diagonal_refs[0][i], diagonal_refs[1][i]
             a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
             aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0).astype(aqk_ref.dtype)
-            rhs_u, rhs_w = beta * v, beta * opts.exp(G) * k
+            gamma = opts.exp(G)
+            rhs_u, rhs_w = beta * v, beta * gamma * k
             from_offset = opts.exp(G - offset[None, :])
             q_in, k_in = q * from_offset, k * from_offset
             for j in range(NUM_SUB):
@@ -239,7 +240,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             u, w = _dot(t_ii, rhs_u, dtype), _dot(t_ii, rhs_w, dtype)
             u_ref[pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
             w_ref[pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
-            qg_ref[pl.ds(i * SUB, SUB), :] = (q * opts.exp(G)).astype(qg_ref.dtype)
+            qg_ref[pl.ds(i * SUB, SUB), :] = (q * gamma).astype(qg_ref.dtype)
             keys.append(k)
             logs.append(G)
             solved.append((u, w))
