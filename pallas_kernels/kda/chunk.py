@@ -151,6 +151,13 @@ def _diagonal_block_midpoint(q, k, G, opts):
     return _dot(k * from_mid, k_out, dtype, trans_b=True), _dot(q * from_mid, k_out, dtype, trans_b=True)
 
 
+def _tril(strict):
+    """``[SUB, SUB]`` mask of the lower triangle, with (``strict=False``) or without the diagonal."""
+    rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    return cols < rows if strict else cols <= rows
+
+
 def _unit_lower_inverse(a):
     """``(I + a)^-1`` for strictly lower ``a [SUB, SUB]`` (fp32). ``a`` is nilpotent (``a^16 = 0``), so the
     inverse is the finite series ``sum_k (-a)^k = (I - a)(I + a^2)(I + a^4)(I + a^8)``: six 16 x 16 products with
@@ -165,13 +172,14 @@ def _unit_lower_inverse(a):
     return inverse
 
 
-def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_log_ref, dt_bias_ref, kk_ref, qk_ref, *,
-                     opts: _Options):
-    """Program (chunk, sub-chunk, value head): the sub-chunk's pairwise diagonal blocks ``k k^T * D`` and
-    ``q k^T * D`` (unmasked ``[SUB, SUB]`` fp32), from a cumsum local to the sub-chunk (only differences of ``G``
-    enter ``D``). Rows past the sequence load as zeros; a sub-chunk with none left (the last chunk's tail, the
-    padding chunks) skips the row loop and stores zeros, since the intra kernel reads every sub-chunk of a chunk
-    it computes and its blocks must stay finite. The q / k L2 norm and the gate are computed here and again in
+def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, t_ref,
+                     qk_ref, *, opts: _Options):
+    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks from the pairwise row loop, ready for
+    the intra kernel: ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the
+    dot dtype), from a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes
+    six chained 16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as
+    zeros; a sub-chunk with none left (the last chunk's tail, the padding chunks) skips the row loop and stores
+    zeros, since the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The q / k L2 norm and the gate are computed here and again in
     the intra kernel, rather than written out once and read back (not timed against that)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
@@ -182,26 +190,28 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, a_log_re
         q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
         k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
         G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
-        kk_ref[...], qk_ref[...] = _diagonal_block_pairwise(q, k, G, opts)
+        a_kk, a_qk = _diagonal_block_pairwise(q, k, G, opts)
+        beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
+                             other=0).astype(jnp.float32)[:, None]
+        t_ref[...] = _unit_lower_inverse(jnp.where(_tril(strict=True), a_kk * beta, 0.0)).astype(t_ref.dtype)
+        qk_ref[...] = jnp.where(_tril(strict=False), a_qk, 0.0).astype(qk_ref.dtype)
 
     @pl.when(valid <= 0)
     def _():
-        kk_ref[...] = jnp.zeros((SUB, SUB), jnp.float32)
-        qk_ref[...] = jnp.zeros((SUB, SUB), jnp.float32)
+        t_ref[...] = jnp.zeros((SUB, SUB), t_ref.dtype)
+        qk_ref[...] = jnp.zeros((SUB, SUB), qk_ref.dtype)
 
 
 def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                   *refs, opts: _Options):
-    """``refs``: the pairwise diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (kk, qk) unless
-    the midpoint form applies, then the outputs ``w, u, qg, kg, aqk, decay``."""
+    """``refs``: the diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (t, qk) unless the midpoint
+    form applies, then the outputs ``w, u, qg, kg, aqk, decay``."""
     diagonal_refs = () if opts.midpoint_diagonal else refs[:2]
     w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs[len(diagonal_refs):]
     chunk, hv = pl.program_id(0), pl.program_id(1)
     head = hv // opts.group
     bos, num_valid = chunk_bos_ref[chunk], chunk_len_ref[chunk]
     dtype = opts.dot_dtype
-    tril_strict = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1) < lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    tril_incl = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1) <= lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
 
     @pl.when(num_valid > 0)
     def _():
@@ -218,10 +228,11 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
                 _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
             if opts.midpoint_diagonal:
                 a_kk, a_qk = _diagonal_block_midpoint(q, k, G, opts)
+                t_ii = _unit_lower_inverse(jnp.where(_tril(strict=True), a_kk * beta, 0.0))
+                a_qk = jnp.where(_tril(strict=False), a_qk, 0.0)
             else:
-                a_kk, a_qk = diagonal_refs[0][i], diagonal_refs[1][i]
-            a_kk = jnp.where(tril_strict, a_kk * beta, 0.0)
-            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = jnp.where(tril_incl, a_qk, 0.0).astype(aqk_ref.dtype)
+                t_ii, a_qk = diagonal_refs[0][i], diagonal_refs[1][i]
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = a_qk.astype(aqk_ref.dtype)
             gamma = opts.exp(G)
             rhs_u, rhs_w = beta * v, beta * gamma * k
             from_offset = opts.exp(G - offset[None, :])
@@ -236,7 +247,6 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
                     rhs_w = rhs_w - _dot(a_ij, solved[j][1], dtype)
                 elif j > i:
                     aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
-            t_ii = _unit_lower_inverse(a_kk)
             u, w = _dot(t_ii, rhs_u, dtype), _dot(t_ii, rhs_w, dtype)
             u_ref[pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
             w_ref[pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
@@ -384,8 +394,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     if opts.midpoint_diagonal:
         diagonal = ()
     else:  # the pairwise diagonal blocks' row loop, in programs of their own (many small ones per SM)
-        diagonal_inputs = (*chunk_meta, q, k, g, a_log, dt_bias)
-        diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), jnp.float32)
+        diagonal_inputs = (*chunk_meta, q, k, g, beta, a_log, dt_bias)
+        diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), dot_dtype)
         diag_block = pl.BlockSpec((None, None, None, SUB, SUB), lambda c, i, h: (h, c, i, 0, 0))
         diagonal = pl.pallas_call(
             functools.partial(_diagonal_kernel, opts=opts), out_shape=(diag, diag),
