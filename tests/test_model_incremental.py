@@ -76,6 +76,14 @@ def lm(request):
     return KimiLM(KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3)))
 
 
+@pytest.fixture(autouse=True)
+def exact_fp32_matmuls():
+    """fp32 dots at full precision on every backend: on the GPU, JAX's default (TF32, a 10-bit mantissa) alone
+    puts two orders of the same math 6e-4 apart (the unabsorbed MLA prefill against the absorbed, H200)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def rel(a, b):
     a, b = np.asarray(a), np.asarray(b)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

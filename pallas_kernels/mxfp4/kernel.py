@@ -206,8 +206,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                     block = first_block + half
                     x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
                                       mask=x_mask[:, None], other=0.0)
-                    acc = acc + (jnp.dot(w, x.T, preferred_element_type=jnp.float32) if weights_lhs else jnp.dot(
-                        x, w.T, preferred_element_type=jnp.float32))
+                    acc = acc + _weight_product(w, x, weights_lhs)
             return acc
 
         def body(k, acc):
@@ -215,9 +214,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                 return pair_products(k, acc)
             x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
                               mask=x_mask[:, None], other=0.0)
-            if weights_lhs:  # acc [block_n, block_m]: the decoded tile feeds the MMA's register operand
-                return acc + jnp.dot(weight_tile(part_refs, expert, cols, k), x.T, preferred_element_type=jnp.float32)
-            return acc + jnp.dot(x, weight_tile(part_refs, expert, cols, k).T, preferred_element_type=jnp.float32)
+            return acc + _weight_product(weight_tile(part_refs, expert, cols, k), x, weights_lhs)
 
         acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
         acc = jax.lax.fori_loop(split * num_k, (split + 1) * num_k, body, jnp.zeros(acc_shape, jnp.float32))
@@ -238,6 +235,17 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
     @pl.when(group == num_experts)  # rows past sum(group_sizes)
     def _():
         pltriton.store(o_ref.at[rows, out_cols], jnp.zeros((block_m, block_n), o_ref.dtype), mask=row_mask[:, None])
+
+
+def _weight_product(w, x, weights_lhs):
+    """fp32 ``w @ x.T`` ``[block_n, block_m]`` (``weights_lhs``: the decoded tile feeds the MMA's register operand)
+    or ``x @ w.T`` ``[block_m, block_n]``, for a weight tile ``w [block_n, k]`` and activations ``x [block_m, k]``.
+    ``w`` takes ``x``'s dtype: exact for decoded MXFP4 (and for bf16 weights), and the Triton dot needs both
+    operands of one type (fp32 activations then take JAX's default matmul precision)."""
+    w = w.astype(x.dtype)
+    if weights_lhs:
+        return jnp.dot(w, x.T, preferred_element_type=jnp.float32)
+    return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
 
 
 def _scale_words(scales: jax.Array) -> jax.Array:

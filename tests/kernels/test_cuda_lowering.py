@@ -96,6 +96,13 @@ def mxfp4_words_gemm(x, packed, scales, row_experts):
                                                   narrow_scales=True)
 
 
+def mxfp4_fp32_gemm(weight_format, x, packed, scales, group_sizes):
+    """fp32 activations (an fp32 model, as in tests/test_model_incremental.py) against MXFP4 weights: the decoded
+    bf16 tile must take x's dtype, since the Triton dot rejects mixed operand types."""
+    return gemm_kernel.grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format=weight_format,
+                                           block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2)
+
+
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     """Kimi-Linear's varlen prefill (H=32, K=V=128): in-kernel gate and L2 norm; the softplus gate takes the
     pairwise diagonal blocks, the lower bound the midpoint ones; the GPU's PTX approximations of exp, the gate's
@@ -137,6 +144,9 @@ CASES = {
         S((56,), jnp.int32)]),
     "grouped_gemm_mxfp4_words": (mxfp4_words_gemm, [S((2, 3584), jnp.bfloat16), S((56, 6144, 1792), jnp.uint8),
                                                     S((56, 6144, 112), jnp.uint8), S((16,), jnp.int32)]),
+    **{f"grouped_gemm_{fmt}_fp32_activations": (functools.partial(mxfp4_fp32_gemm, fmt), [
+        S((64, 256), jnp.float32), S((4, 128, 128), jnp.uint8), S((4, 128, 8), jnp.uint8), S((4,), jnp.int32)])
+       for fmt in ("mxfp4", "mxfp4_pairs")},
     "attnres_mix": (attnres_kernel.attnres_mix_pallas, [S((7168,), jnp.float32), S((9, 16, 7168), jnp.float32),
                                                         S((7168,), jnp.float32)]),
     "mla_decode_triton": (functools.partial(mla_attention.mla_paged_attention_pallas, scale=0.07, kv_lora_rank=512),
