@@ -1,17 +1,16 @@
 """Pallas (Triton-style) chunked KDA prefill over packed varlen batches, with state checkpoints.
 
-Two launches (three without the midpoint form; spec 1.7), all reading the packed ``[T, ...]`` inputs in place
-(no padding copy):
+Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (no padding copy):
 
-1. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
-   norm, optional gate, in-chunk cumsum ``G``, then ``A_kk``/``A_qk`` by 16-token sub-chunks (off-diagonal
-   blocks factor through the sub-chunk start, so every exponent is <= 0; diagonal blocks either through the
-   sub-chunk midpoint when the lower-bound gate bounds the exponent span, or pairwise, read from
-   ``_diagonal_kernel``, a launch before it with one program per sub-chunk), the unit-lower
-   triangular solve by block forward substitution (each 16 x 16 diagonal block inverted as a product of four
-   factors), and the chunk summaries ``w, u, qg = q*Gamma,
-   kg = k*exp(G_C - G), A_qk, exp(G_C)``.
-2. ``_scan_kernel``, grid ``(HV, V // BV, N)``, sequential over the chunks of one sequence (the sequences in
+1. ``_diagonal_kernel``, grid ``(NC, 4, HV)``, one 16-token sub-chunk per program: the diagonal blocks of
+   ``A_kk``/``A_qk``, either through the sub-chunk midpoint when the lower-bound gate bounds the exponent span,
+   or pairwise by a row loop, and the inverse of each unit-lower ``I + A_kk`` block (a product of four factors).
+2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
+   norm, optional gate, in-chunk cumsum ``G``, then the off-diagonal blocks of ``A_kk``/``A_qk`` by 16-token
+   sub-chunks (they factor through the sub-chunk start, so every exponent is <= 0), the unit-lower triangular
+   solve by block forward substitution with the diagonal launch's inverses, and the chunk summaries
+   ``w, u, qg = q*Gamma, kg = k*exp(G_C - G), A_qk, exp(G_C)``.
+3. ``_scan_kernel``, grid ``(HV, V // BV, N)``, sequential over the chunks of one sequence (the sequences in
    decreasing length, so that the GPU starts every program of the longest sequence first): ``U = u - w S``,
    ``o = qg S + A_qk U``, ``S <- exp(G_C) S + kg^T U``, and the states at the requested checkpoint positions
    (chunk-start state plus a partial-chunk correction, recomputing that chunk's ``G`` from the raw inputs).
@@ -174,13 +173,14 @@ def _unit_lower_inverse(a):
 
 def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, t_ref,
                      qk_ref, *, opts: _Options):
-    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks from the pairwise row loop, ready for
-    the intra kernel: ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the
-    dot dtype), from a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes
-    six chained 16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as
-    zeros; a sub-chunk with none left (the last chunk's tail, the padding chunks) skips the row loop and stores
-    zeros, since the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The q / k L2 norm and the gate are computed here and again in
-    the intra kernel, rather than written out once and read back (not timed against that)."""
+    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the pairwise row loop, or the
+    midpoint form where the lower-bound gate allows it), ready for the intra kernel:
+    ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the dot dtype), from
+    a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
+    16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as zeros; a
+    sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores zeros, since the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The
+    q / k L2 norm and the gate are computed here and again in the intra kernel, rather than written out once and
+    read back (not timed against that)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
     start, valid = chunk_bos_ref[chunk] + sub * SUB, chunk_len_ref[chunk] - sub * SUB
@@ -190,7 +190,7 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
         q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
         k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
         G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
-        a_kk, a_qk = _diagonal_block_pairwise(q, k, G, opts)
+        a_kk, a_qk = (_diagonal_block_midpoint if opts.midpoint_diagonal else _diagonal_block_pairwise)(q, k, G, opts)
         beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
                              other=0).astype(jnp.float32)[:, None]
         t_ref[...] = _unit_lower_inverse(jnp.where(_tril(strict=True), a_kk * beta, 0.0)).astype(t_ref.dtype)
@@ -204,10 +204,9 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
 
 def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                   *refs, opts: _Options):
-    """``refs``: the diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (t, qk) unless the midpoint
-    form applies, then the outputs ``w, u, qg, kg, aqk, decay``."""
-    diagonal_refs = () if opts.midpoint_diagonal else refs[:2]
-    w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs[len(diagonal_refs):]
+    """``refs``: the diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (t, qk), then the outputs
+    ``w, u, qg, kg, aqk, decay``."""
+    t_diag_ref, qk_diag_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs
     chunk, hv = pl.program_id(0), pl.program_id(1)
     head = hv // opts.group
     bos, num_valid = chunk_bos_ref[chunk], chunk_len_ref[chunk]
@@ -226,13 +225,8 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
                                  other=0).astype(jnp.float32)[:, None]
             G = offset[None, :] + jnp.cumsum(
                 _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
-            if opts.midpoint_diagonal:
-                a_kk, a_qk = _diagonal_block_midpoint(q, k, G, opts)
-                t_ii = _unit_lower_inverse(jnp.where(_tril(strict=True), a_kk * beta, 0.0))
-                a_qk = jnp.where(_tril(strict=False), a_qk, 0.0)
-            else:
-                t_ii, a_qk = diagonal_refs[0][i], diagonal_refs[1][i]
-            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = a_qk.astype(aqk_ref.dtype)
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = qk_diag_ref[i].astype(aqk_ref.dtype)
+            t_ii = t_diag_ref[i]
             gamma = opts.exp(G)
             rhs_u, rhs_w = beta * v, beta * gamma * k
             from_offset = opts.exp(G - offset[None, :])
@@ -351,17 +345,21 @@ def _full(shape):
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                     block_v: int = 32, intra_warps: int = 8, scan_warps: int = 4, intra_stages: int = 2,
-                     scan_stages: int = 3, diagonal_warps: int = 2, fast_math: bool | None = None):
+                     block_v: int = 32, intra_warps: int = 4, scan_warps: int = 4, intra_stages: int = 2,
+                     scan_stages: int = 3, diagonal_warps: int | None = None, fast_math: bool | None = None):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
-    Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Without the midpoint form (no lower bound, or one
-    below ``-MIDPOINT_MAX_DECAY``) the pairwise diagonal blocks' row loop runs in a third launch, grid (chunk,
-    sub-chunk, value head) with ``diagonal_warps``, before the intra kernel (session 18, softplus gate: diagonal
-    620 us with 2 warps, 986 with 4, 1309 with 1; intra 821-823 us with 8 warps, 1498 with 4; the whole prefill
-    1664 us against 3215 us with the loop inside the intra kernel). ``intra_warps=8`` with the midpoint diagonal:
-    1309 us against 1892 us with 4 (session 4). The scan is fastest with 4 warps (314 us against 404 us with 8) and
-    ``scan_stages=3``, which prefetches two chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update
+    Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Three launches: the diagonal blocks, grid (chunk,
+    sub-chunk, value head) with ``diagonal_warps`` (default 2 for the pairwise row loop, 1 for the midpoint form),
+    then the intra kernel, then the scan. The diagonal launch also inverts each 16 x 16 block (session 20, H32 T8K:
+    softplus 1394.0 us against 1461.7 with the inverses in the intra kernel; lower bound 987.2 against 1002.5 with
+    the midpoint blocks and inverses in the intra kernel, and 1007.8 / 1015.9 with 2 / 4 diagonal warps). Session 18,
+    softplus gate: diagonal 620 us with 2 warps, 986 with 4, 1309 with 1; intra 821-823 us with 8 warps, 1498 with
+    4; the whole prefill 1664 us against 3215 us with the row loop inside the intra kernel. With the diagonal
+    blocks and their inverses out of the intra kernel, ``intra_warps=4`` is fastest (session 20, H32 T8K: lower
+    bound 892.4 us against 997.1 with 8 and 1307.2 with 2; softplus 1287.1 against 1421.6 / 1723.0; in session 4,
+    with the midpoint blocks inside it, 8 warps had won, 1309 us against 1892). The scan is fastest
+    with 4 warps (314 us against 404 us with 8) and ``scan_stages=3``, which prefetches two chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update
     (session 18, H32 T8K, lower-bound gate: 233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us;
     4 stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (3: 863.8 against 865.5 us).
     ``fast_math`` (default: on the GPU) picks the PTX approximations over ``jnp.exp`` / the exact gate.
@@ -391,19 +389,18 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     a_log = A_log.astype(jnp.float32)
     dt_bias = dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim)
     max_chunks, chunk_meta, seq_meta = _chunk_plan(cu_seqlens.astype(jnp.int32), num_seqs, num_tokens)
-    if opts.midpoint_diagonal:
-        diagonal = ()
-    else:  # the pairwise diagonal blocks' row loop, in programs of their own (many small ones per SM)
-        diagonal_inputs = (*chunk_meta, q, k, g, beta, a_log, dt_bias)
-        diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), dot_dtype)
-        diag_block = pl.BlockSpec((None, None, None, SUB, SUB), lambda c, i, h: (h, c, i, 0, 0))
-        diagonal = pl.pallas_call(
-            functools.partial(_diagonal_kernel, opts=opts), out_shape=(diag, diag),
-            grid=(max_chunks, NUM_SUB, num_value_heads), in_specs=[_full(x.shape) for x in diagonal_inputs],
-            out_specs=(diag_block, diag_block),
-            compiler_params=pltriton.CompilerParams(num_warps=diagonal_warps, num_stages=1),
-            interpret=interpret, name="kda_chunk_diagonal",
-        )(*diagonal_inputs)
+    if diagonal_warps is None:
+        diagonal_warps = 1 if opts.midpoint_diagonal else 2
+    diagonal_inputs = (*chunk_meta, q, k, g, beta, a_log, dt_bias)  # the diagonal blocks, many small programs per SM
+    diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), dot_dtype)
+    diag_block = pl.BlockSpec((None, None, None, SUB, SUB), lambda c, i, h: (h, c, i, 0, 0))
+    diagonal = pl.pallas_call(
+        functools.partial(_diagonal_kernel, opts=opts), out_shape=(diag, diag),
+        grid=(max_chunks, NUM_SUB, num_value_heads), in_specs=[_full(x.shape) for x in diagonal_inputs],
+        out_specs=(diag_block, diag_block),
+        compiler_params=pltriton.CompilerParams(num_warps=diagonal_warps, num_stages=1),
+        interpret=interpret, name="kda_chunk_diagonal",
+    )(*diagonal_inputs)
 
     inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
     block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
@@ -415,7 +412,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
                    inter(head_dim, dot_dtype), inter(CHUNK, dot_dtype),
                    jax.ShapeDtypeStruct((num_value_heads, max_chunks, head_dim), jnp.float32)),
         grid=(max_chunks, num_value_heads),
-        in_specs=[_full(x.shape) for x in whole_inputs] + [diagonal_spec] * len(diagonal),
+        in_specs=[_full(x.shape) for x in whole_inputs] + [diagonal_spec] * 2,
         out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
         compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=intra_stages),

@@ -162,11 +162,10 @@ CASES = {
                            [S((1, 32, 512), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
 }
 
-LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 2, "kda_decode": 2, "router_k3": 2,
+LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 3, "kda_decode": 2, "router_k3": 2,
             "router_kimi_linear": 2}
-"""Triton launches per case where there is more than one: the softplus prefill's diagonal blocks, intra kernel and
-scan; the lower-bound prefill's intra kernel (midpoint diagonal) and scan; split-V decode and its epilogue; the
-router's logits and its top-k."""
+"""Triton launches per case where there is more than one: each prefill's diagonal blocks (pairwise or midpoint),
+intra kernel and scan; split-V decode and its epilogue; the router's logits and its top-k."""
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
