@@ -358,10 +358,12 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     4; the whole prefill 1664 us against 3215 us with the row loop inside the intra kernel. With the diagonal
     blocks and their inverses out of the intra kernel, ``intra_warps=4`` is fastest (session 20, H32 T8K: lower
     bound 892.4 us against 997.1 with 8 and 1307.2 with 2; softplus 1287.1 against 1421.6 / 1723.0; in session 4,
-    with the midpoint blocks inside it, 8 warps had won, 1309 us against 1892). The scan is fastest
-    with 4 warps (314 us against 404 us with 8) and ``scan_stages=3``, which prefetches two chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update
-    (session 18, H32 T8K, lower-bound gate: 233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us;
-    4 stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (3: 863.8 against 865.5 us).
+    with the midpoint blocks inside it, 8 warps had won, 1309 us against 1892). The scan is fastest with 4 warps
+    (314 us against 404 us with 8; session 20: 214.3 against 304.5) and ``scan_stages=3``, which prefetches two
+    chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update (session 18, H32 T8K, lower-bound gate:
+    233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us, session 20: 257.0 against 214.3; 4
+    stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (session 20, 4 warps: 1 and 3 stages
+    within 0.5%).
     ``fast_math`` (default: on the GPU) picks the PTX approximations over ``jnp.exp`` / the exact gate.
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
