@@ -178,9 +178,10 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
     ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the dot dtype), from
     a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
     16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as zeros; a
-    sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores zeros, since the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The
-    q / k L2 norm and the gate are computed here and again in the intra kernel, rather than written out once and
-    read back (not timed against that)."""
+    sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores zeros, since
+    the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The q / k L2 norm
+    and the gate are computed here and again in the intra kernel, rather than written out once and read back (not
+    timed against that)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
     start, valid = chunk_bos_ref[chunk] + sub * SUB, chunk_len_ref[chunk] - sub * SUB
