@@ -363,8 +363,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     (314 us against 404 us with 8; session 20: 214.3 against 304.5) and ``scan_stages=3``, which prefetches two
     chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update (session 18, H32 T8K, lower-bound gate:
     233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us, session 20: 257.0 against 214.3; 4
-    stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (session 20, 4 warps: 1 and 3 stages
-    within 0.5%).
+    stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (session 20: 1 stage within 0.5% at 4
+    warps; 1 and 3 within 0.1% at 8).
     ``fast_math`` (default: on the GPU) picks the PTX approximations over ``jnp.exp`` / the exact gate.
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
