@@ -148,31 +148,45 @@ def from_pair_halves(packed: jax.Array) -> jax.Array:
     return pack_codes(jnp.concatenate([pairs & 0xF, pairs >> 4], axis=-2).reshape(*lead, n_out, 2 * n_half))
 
 
+WORD_POSITIONS = (((6, 7, 8, 15), (22, 23, 24, 31), (3, 4, 5, 12), (19, 20, 21, 28)),
+                  ((0, 1, 2, 13), (16, 17, 18, 29), (9, 10, 11, 14), (25, 26, 27, 30)))
+"""The word order's bit map: ``WORD_POSITIONS[block][j]`` are the bits of a 32-bit word that hold E2M1 code bits
+(mantissa, exponent 0, exponent 1, sign) of column ``c + j`` of a pair's first / second MX block, for the word of
+columns ``c .. c + 3``. The first block's columns c, c + 1 sit where a bf16 pair wants them (magnitude at bits
+8..6 and 24..22, sign at 15 and 31: one ``and`` decodes them as ``E2M1 * 2**-126``), c + 2, c + 3 three bits lower
+(``shl`` + ``and``); the second block's magnitudes 6 bits lower / 3 bits higher, their signs 2 / 1 bits lower
+(two shifts, two ``and`` and an ``or`` per pair)."""
+
+
 def to_word_order(packed: jax.Array) -> jax.Array:
     """Compressed-tensors ``packed [..., out, in/2]`` -> the word order ``[..., out, in/2]`` (``in % 64 == 0``):
-    per pair of MX blocks ``(A, B) = (2p, 2p + 1)``, 32 bytes read as 8 little-endian 32-bit words; word ``g``
-    holds columns ``c = 4g .. 4g + 3`` of both blocks as nibbles ``A(c), A(c+2), B(c), B(c+2), A(c+1), A(c+3),
-    B(c+1), B(c+3)`` (nibble 0 lowest). Two weights ``16`` bits apart then form one bf16 pair of a kernel's
-    register with one shift (Marlin's trick): nibble ``k`` and ``k + 4`` of a word are columns ``c + m`` and
-    ``c + m + 1`` of one block. The scales keep their layout."""
+    per pair of MX blocks, 32 bytes read as 8 little-endian 32-bit words; word ``g`` holds columns ``4g .. 4g + 3``
+    of both blocks at the bits of :data:`WORD_POSITIONS`, so that a kernel forms each bf16 pair of weights with
+    1-5 register instructions. The scales keep their layout."""
     *lead, n_out, n_half = packed.shape
     if (2 * n_half) % (2 * BLOCK):
         raise ValueError(f"the word order needs in % {2 * BLOCK} == 0, got in = {2 * n_half}")
-    codes = unpack_codes(packed).reshape(*lead, n_out, n_half // BLOCK, 2, BLOCK // 4, 4)
-    a, b = codes[..., 0, :, :], codes[..., 1, :, :]  # [..., pairs, 8 words, 4 columns]
-    words = jnp.stack([a[..., 0] | (a[..., 2] << 4), b[..., 0] | (b[..., 2] << 4),
-                       a[..., 1] | (a[..., 3] << 4), b[..., 1] | (b[..., 3] << 4)], axis=-1)
-    return words.reshape(packed.shape).astype(jnp.uint8)
+    codes = unpack_codes(packed).reshape(*lead, n_out, n_half // BLOCK, 2, BLOCK // 4, 4).astype(jnp.uint32)
+    word = jnp.zeros(codes.shape[:-3] + (BLOCK // 4,), jnp.uint32)  # [..., pairs, 8 words]
+    for block, columns in enumerate(WORD_POSITIONS):
+        for j, positions in enumerate(columns):
+            for bit, position in enumerate(positions):
+                word = word | (((codes[..., block, :, j] >> bit) & 1) << position)
+    data = jnp.stack([(word >> (8 * i)) & 0xFF for i in range(4)], axis=-1)
+    return data.reshape(packed.shape).astype(jnp.uint8)
 
 
 def word_order_codes(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Word-order bytes ``[..., 32 * n]`` (whole pairs of blocks) -> E2M1 codes ``(A, B)`` ``[..., 32 * n]``
     uint8: column ``j`` of each pair's first and second block."""
-    b = words.reshape(*words.shape[:-1], -1, 4)
-    lo, hi = b & 0xF, b >> 4
-    a_codes = jnp.stack([lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2]], axis=-1)
-    b_codes = jnp.stack([lo[..., 1], lo[..., 3], hi[..., 1], hi[..., 3]], axis=-1)
-    return a_codes.reshape(words.shape), b_codes.reshape(words.shape)
+    b = words.reshape(*words.shape[:-1], -1, 4).astype(jnp.uint32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    codes = []
+    for columns in WORD_POSITIONS:
+        block = [sum(((word >> position) & 1) << bit for bit, position in enumerate(positions))
+                 for positions in columns]
+        codes.append(jnp.stack(block, axis=-1).reshape(words.shape).astype(jnp.uint8))
+    return codes[0], codes[1]
 
 
 def from_word_order(words: jax.Array) -> jax.Array:

@@ -27,10 +27,11 @@ block's fp32 ``[block_n, block_m]`` product drops a multiply and an add per prod
 weights at 16-row tiles; session 16 SASS count).
 
 ``weight_format="mxfp4_words"`` reads the word order (:func:`kimi_jax.quant.mxfp4.to_word_order`): the same
-``[block_n, 32]`` byte tile per pair of blocks, but each 4-byte word holds 4 columns of both blocks placed so that
-one shift per bf16 pair positions sign and magnitude (Marlin's trick), and the scales come as uint32 words of 4
-blocks; ``narrow_scales`` folds the decode's bias into the scale (:func:`_word_ptx`; 9.4 SASS instructions per
-pair of weights against 15.3, session 17). It needs x as the MMA's A operand.
+``[block_n, 32]`` byte tile per pair of blocks, but each 4-byte word holds 4 columns of both blocks at bits chosen so
+that 1-5 shifts and masks per bf16 pair place sign and magnitude (:func:`_word_ptx`: 17 PTX instructions per 8
+weights with narrow scales, against 29 for session 17's Marlin-style nibble order), and the scales come as uint32
+words of 4 blocks, each block's bf16 scale pair formed once per column (:func:`_scale_pair`); ``narrow_scales``
+folds the decode's bias into the scale. It needs x as the MMA's A operand.
 """
 
 from __future__ import annotations
@@ -53,9 +54,6 @@ PAIRS_FORMATS = ("mxfp4_pairs", "mxfp4_pairs_jnp", "mxfp4_words")
 interpret mode) or the jnp decode everywhere, and the word order (inline PTX on the GPU, jnp in interpret mode)."""
 WORD_SCALES = 4
 """``"mxfp4_words"`` reads the E8M0 scales as uint32 words of 4 consecutive blocks (a bitcast of the uint8 array)."""
-WORD_SHIFTS = (12, 4)
-"""Left shift of a word-order word that brings output pair 0 of the pair's first / second block to bits 12..15
-(and 28..31); pair 1 takes 4 less (:func:`_word_ptx`)."""
 SHARED_EXPERT = -1
 """Row expert id (per-row mode) of the shared expert, whose matrices are passed separately (``shared``)."""
 
@@ -77,15 +75,13 @@ _HIGH_NIBBLES_PTX = _nibble_ptx(0xF0, 2, 8)  # magnitude bits 6..4 -> 8..6, sign
 # (one asm per half: jax 0.11.2's Triton lowering of elementwise_inline_asm returns a single result)
 
 
-def _word_ptx(first_shift: int, scale_byte: int, narrow_scales: bool) -> str:
-    """PTX for one block of a word-order word ($2; :func:`kimi_jax.quant.mxfp4.to_word_order`) and its scales'
-    word ($3, 4 E8M0 codes) -> two bf16 pairs ($0, $1) of scaled weights. The block's nibbles for output pair 0
-    (1) sit 16 bits apart at bits ``12 - first_shift`` (``8 - first_shift``) and 16 above, so per pair: one
-    ``shl`` puts them at bits 12..15 and 28..31 (sign at 15 / 31), ``and`` + ``shr`` move the 3 magnitude bits to
-    8..6, ``and`` + ``or`` keep the sign: ``E2M1 * 2**-126`` in each half (code 1 a bf16 subnormal). The scale
-    byte goes to the exponent field of both halves (``prmt`` + ``shr``; ``max`` turns code 0 into the subnormal
-    2**-127). ``narrow_scales`` (every code at most 128): the scale is ``2**(s - 1)`` (exponent field ``s + 126``),
-    the bias folded in, one ``mul.rn.bf16x2`` per pair; otherwise a multiply by 2**126 first. Exact either way.
+def _word_ptx(block: int, narrow_scales: bool) -> str:
+    """PTX for one block of a word-order word ($2; :data:`kimi_jax.quant.mxfp4.WORD_POSITIONS`) and its scale as a
+    bf16 pair ($3, :func:`_scale_pair`) -> two bf16 pairs ($0: columns c, c + 1; $1: c + 2, c + 3) of scaled
+    weights. Shifts and masks place each weight's 3 magnitude bits at bf16 bits 8..6 and its sign at 15, which reads
+    as ``E2M1 * 2**-126`` (code 1 a bf16 subnormal): 1 / 2 instructions per pair of the first block, 5 of the second.
+    Then one ``mul.rn.bf16x2`` by the scale, whose exponent carries the 2**126 when ``narrow_scales``; otherwise a
+    multiply by 2**126 first. Exact either way: 17 instructions per 8 weights with narrow scales.
 
     Unlike the pair-halves decode this is not a per-byte map: it needs Triton to hand the asm 4 bytes that are one
     aligned word in memory. With x as the MMA's A operand the decoded tile is the B operand, which Triton loads
@@ -93,19 +89,23 @@ def _word_ptx(first_shift: int, scale_byte: int, narrow_scales: bool) -> str:
     register operand) the 4 bytes are K pairs 8 apart, and the result is wrong (H200, session 17); as mma.sync's
     A operand (1-2 warps) it is right but no faster (session 18). So the word order runs with
     ``weights_lhs=False`` only, and the GPU tests check it at the tilings ``tile_config`` picks."""
-    selector = f"0x{scale_byte}4{scale_byte}4"  # byte scale_byte of $3 into bytes 1 and 3, zeros elsewhere
-    lines = [f"prmt.b32 c, $3, z, {selector}; shr.b32 c, c, 1;"]
-    lines.append("add.u32 c, c, 0x3F003F00;" if narrow_scales else "mov.b32 m, 0x00400040; max.u16x2 c, c, m;")
-    for out, shift in ((0, first_shift), (1, first_shift - 4)):
-        source = "$2"
-        if shift:
-            lines.append(f"shl.b32 t, $2, {shift};")
-            source = "t"
-        lines.append(f"and.b32 m, {source}, 0x70007000; shr.b32 m, m, 6; and.b32 t, {source}, 0x80008000; "
-                     "or.b32 t, t, m;")
-        lines.append(f"mul.rn.bf16x2 ${out}, t, c;" if narrow_scales else
-                     f"mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 ${out}, t, c;")
-    return ("{ .reg .b32 t, m, c, z, k; mov.b32 z, 0; mov.b32 k, 0x7E807E80; " + " ".join(lines) + " }")
+    if block == 0:
+        pairs = ["and.b32 t, $2, 0x81C081C0;", "shl.b32 t, $2, 3; and.b32 t, t, 0x81C081C0;"]
+    else:
+        pairs = [f"{shift} m, $2, {n}; and.b32 m, m, 0x01C001C0; shl.b32 t, $2, {sign}; and.b32 t, t, 0x80008000; "
+                 "or.b32 t, t, m;" for shift, n, sign in (("shl.b32", 6, 2), ("shr.b32", 3, 1))]
+    lines = [p + (f" mul.rn.bf16x2 ${out}, t, $3;" if narrow_scales else
+                  f" mul.rn.bf16x2 t, t, k; mul.rn.bf16x2 ${out}, t, $3;") for out, p in enumerate(pairs)]
+    return "{ .reg .b32 t, m, k; mov.b32 k, 0x7E807E80; " + " ".join(lines) + " }"
+
+
+def _scale_pair(word: jax.Array, byte: int, narrow_scales: bool) -> jax.Array:
+    """uint32 scale words ``[bn]`` (4 E8M0 codes) -> uint32 ``[bn]``: code ``byte`` as a bf16 pair (both halves),
+    ``2**(s - 1)`` with ``narrow_scales`` (every code <= 128; the decode's 2**126 folded in), else ``2**(s - 127)``
+    (code 0: the subnormal 2**-127)."""
+    code = (word >> (8 * byte)) & 0xFF
+    half = ((code + 126) << 7) if narrow_scales else jnp.maximum(code << 7, jnp.uint32(0x40))
+    return half | (half << 16)
 
 
 def _decode_words(packed: jax.Array, word: jax.Array, first_byte: int, how: str,
@@ -115,11 +115,11 @@ def _decode_words(packed: jax.Array, word: jax.Array, first_byte: int, how: str,
     the first block, of the second), each ``[bn, 32]``. Exact."""
     if how == "asm":
         shape = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
-        words = jnp.broadcast_to(word[:, None], packed.shape)
         return tuple(pltriton.elementwise_inline_asm(
-            _word_ptx(first_shift, first_byte + half, narrow_scales), args=[packed, words],
+            _word_ptx(half, narrow_scales),
+            args=[packed, jnp.broadcast_to(_scale_pair(word, first_byte + half, narrow_scales)[:, None], packed.shape)],
             constraints="=r,=r,r,r,r,r,r", pack=4, result_shape_dtypes=[shape])[0]
-            for half, first_shift in enumerate(WORD_SHIFTS))
+            for half in range(2))
     codes = mxfp4.word_order_codes(packed)
     scales = (((word >> (8 * (first_byte + half))) & 0xFF).astype(jnp.uint8) for half in range(2))
     return tuple(e2m1_to_bf16(c.astype(jnp.uint16)) * e8m0_to_bf16(sc)[:, None] for c, sc in zip(codes, scales))

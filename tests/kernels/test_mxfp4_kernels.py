@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax.quant.mxfp4 import (E2M1_VALUES, dequantize, from_pair_halves, from_word_order, to_pair_halves,
-                                  to_word_order, unpack_codes, word_order_codes)
+from kimi_jax.quant.mxfp4 import (E2M1_VALUES, WORD_POSITIONS, dequantize, from_pair_halves, from_word_order,
+                                  to_pair_halves, to_word_order, unpack_codes, word_order_codes)
 from pallas_kernels.mxfp4 import (SHARED_EXPERT, grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
                                   mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
                                   mxfp4_matmul, mxfp4_matmul_reference)
@@ -382,16 +382,19 @@ def test_pair_halves_byte_order():
 
 
 def test_word_byte_order():
-    """Word g of each 64-column pair holds columns 4g..4g+3 of both blocks in the nibble order of to_word_order;
-    the inverse restores the checkpoint bytes; in not a multiple of 64 is a clear error."""
+    """Word g of each 64-column pair holds columns 4g..4g+3 of both blocks at the bits of WORD_POSITIONS (every bit
+    of the word used once); the inverse restores the checkpoint bytes; in not a multiple of 64 is a clear error."""
+    assert sorted(p for block in WORD_POSITIONS for column in block for p in column) == list(range(32))
     _, packed, _, _ = random_problem(52, [1], 1, n=3, k=128)
     words = np.asarray(to_word_order(packed))
     codes = np.asarray(unpack_codes(packed))  # [E, N, K] in column order
     b = words.reshape(*words.shape[:-1], 2, 8, 4).astype(np.uint32)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [E, N, pair, g]
     blocks = codes.reshape(*codes.shape[:-1], 2, 2, 8, 4)  # [E, N, pair, block, g, column]
-    for nibble, (block, column) in enumerate([(0, 0), (0, 2), (1, 0), (1, 2), (0, 1), (0, 3), (1, 1), (1, 3)]):
-        np.testing.assert_array_equal((word >> (4 * nibble)) & 0xF, blocks[..., block, :, column])
+    for block, columns in enumerate(WORD_POSITIONS):
+        for column, positions in enumerate(columns):
+            got = sum(((word >> position) & 1) << bit for bit, position in enumerate(positions))
+            np.testing.assert_array_equal(got, blocks[..., block, :, column])
     np.testing.assert_array_equal(np.asarray(from_word_order(jnp.asarray(words))), np.asarray(packed))
     with pytest.raises(ValueError, match="in % 64"):
         to_word_order(packed[..., :16])
@@ -562,10 +565,11 @@ def test_inline_ptx_decode_is_exact_for_every_byte():
 
 @pytest.mark.parametrize("narrow", [False, True])
 def test_word_order_ptx_decode_is_exact(narrow):
-    """The word-order decode's PTX (interpreted) maps element k of a packed word to bf16 element k: E2M1 of
-    column k of the block (first or second of the pair, as :func:`word_order_codes` reads it) times the scale in
-    byte ``scale_byte`` of the scales' word, for every scale code (narrow: codes 0..128, the folded bias)."""
-    from pallas_kernels.mxfp4.kernel import WORD_SHIFTS, _word_ptx
+    """The word-order decode's PTX (interpreted) maps bf16 element k of its two output pairs to E2M1 of column k of
+    the block (first or second of the pair, as :func:`word_order_codes` reads it) times the scale in byte
+    ``scale_byte`` of the scales' word, passed as :func:`_scale_pair` forms it, for every scale code (narrow: codes
+    0..128, the folded bias), with signed zeros kept."""
+    from pallas_kernels.mxfp4.kernel import _scale_pair, _word_ptx
 
     rng = np.random.default_rng(11)
     words = [int.from_bytes(bytes([b, 255 - b, (7 * b) % 256, (b + 85) % 256]), "little") for b in range(256)]
@@ -574,11 +578,12 @@ def test_word_order_ptx_decode_is_exact(narrow):
     for i, word in enumerate(words):
         data = np.frombuffer(word.to_bytes(4, "little"), np.uint8)
         scale_codes = [codes[(i + j) % len(codes)] for j in range(4)]
-        scale_word = int.from_bytes(bytes(scale_codes), "little")
-        for half, first_shift in enumerate(WORD_SHIFTS):
-            block_codes = np.asarray(word_order_codes(jnp.asarray(data))[half])
-            for scale_byte in (half, 2 + half):
-                out = run_ptx(_word_ptx(first_shift, scale_byte, narrow), {"$2": word, "$3": scale_word})
+        scale_word = jnp.asarray([int.from_bytes(bytes(scale_codes), "little")], jnp.uint32)
+        for block in range(2):
+            block_codes = np.asarray(word_order_codes(jnp.asarray(data))[block])
+            for scale_byte in (block, 2 + block):
+                scale = int(_scale_pair(scale_word, scale_byte, narrow)[0])
+                out = run_ptx(_word_ptx(block, narrow), {"$2": word, "$3": scale})
                 bits = np.array([(out[k // 2] >> (16 * (k % 2))) & 0xFFFF for k in range(4)], np.uint32) << 16
                 got = bits.view(np.float32)
                 want = (E2M1_VALUES[block_codes].astype(np.float64)
@@ -590,7 +595,7 @@ def test_word_order_ptx_decode_is_exact(narrow):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (no GPU needed)")
 def test_inline_ptx_assembles_for_hopper(tmp_path):
     """The decodes' asm, in the operand form Triton gives it (two b32 outputs; pair halves: three b32 inputs,
-    word order: one packed word and four copies of the scales' word), compiles for sm_90 with nvcc + ptxas:
+    word order: one packed word and four copies of its scale's bf16 pair), compiles for sm_90 with nvcc + ptxas:
     syntax, operand kinds and the availability on Hopper of the bf16x2 multiply and the u16x2 max."""
     from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX, _word_ptx
 
@@ -598,8 +603,8 @@ def test_inline_ptx_assembles_for_hopper(tmp_path):
                                   f'"=r"(out[{2 * i + 1}]) : {inputs});')
     pairs = [asm(i, ptx, '"r"(word), "r"(scale), "r"(scale)') for i, ptx in enumerate((_LOW_NIBBLES_PTX,
                                                                                         _HIGH_NIBBLES_PTX))]
-    words = [asm(2 + i, _word_ptx(shift, byte, narrow), ", ".join(['"r"(word)'] + ['"r"(scale)'] * 4))
-             for i, (shift, byte, narrow) in enumerate(((12, 0, False), (4, 3, True)))]
+    words = [asm(2 + i, _word_ptx(block, narrow), ", ".join(['"r"(word)'] + ['"r"(scale)'] * 4))
+             for i, (block, narrow) in enumerate(((0, False), (1, True)))]
     source = tmp_path / "decode.cu"
     source.write_text("#include <cstdint>\n__global__ void decode(const uint32_t* in, uint32_t* o) {\n"
                       "  uint32_t word = in[threadIdx.x]; uint32_t scale = in[threadIdx.x + 32]; uint32_t out[8];\n"
