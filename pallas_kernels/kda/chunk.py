@@ -4,7 +4,7 @@ Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (
 
 1. ``_diagonal_kernel``, grid ``(NC, 4, HV)``, one 16-token sub-chunk per program: the diagonal blocks of
    ``A_kk``/``A_qk``, either through the sub-chunk midpoint when the lower-bound gate bounds the exponent span,
-   or pairwise by a row loop, and the inverse of each unit-lower ``I + A_kk`` block (a product of four factors).
+   or through dyadic reference rows for any gate, and the inverse of each unit-lower ``I + A_kk`` block (a product of four factors).
 2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
    norm, optional gate, in-chunk cumsum ``G``, then the off-diagonal blocks of ``A_kk``/``A_qk`` by 16-token
    sub-chunks (they factor through the sub-chunk start, so every exponent is <= 0), the unit-lower triangular
@@ -126,25 +126,38 @@ def _select_row(x, r):
     return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0)
 
 
-def _diagonal_block_pairwise(q, k, G, opts):
-    """``(k k^T * D, q k^T * D)`` for one 16-token block, D_rc = exp(G_r - G_c) masked (c <= r) before exp."""
+def _diagonal_block_dyadic(q, k, log_decay, opts):
+    """``(k k^T * D, q k^T * D)`` for one 16-token block, ``D_rc = exp(G_r - G_c)`` for ``c < r`` (the ``q k^T``
+    block also takes the diagonal ``q_r . k_r``; above it both are 0), from the block's log-decays ``[SUB, K]``,
+    for any gate. A pair ``c < r`` falls in exactly one dyadic level ``b`` of 8, 4, 2, 1: the one where ``r`` and
+    ``c`` share a ``2b``-row group but not its ``b``-row half. Through the group's reference row (the last of its
+    first half) ``D_rc = exp(G_r - G_ref) exp(G_ref - G_c)``, and both factors are <= 1. Per level that is one
+    exponential per element of ``S_b @ log_decay`` (``S_b``: 0/1, the log-decays between a row and its reference;
+    an exact fp32 dot) and two ``[SUB, K] x [K, SUB]`` dots in the dot dtype: no row loop and no row selects
+    (session 22, H32 T8K, softplus gate: 447.3 us against 568.5 for the masked row loop it replaced)."""
     rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    col_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
-
-    def body(r, carry):
-        a_kk, a_qk = carry
-        decay = opts.exp(jnp.where(col_index <= r, _select_row(G, r)[None, :] - G, -jnp.inf))  # [SUB(c), K]
-        kd = k * decay
-        kk = jnp.sum(kd * _select_row(k, r)[None, :], axis=1)  # [SUB(c)]
-        qk = jnp.sum(kd * _select_row(q, r)[None, :], axis=1)
-        return jnp.where(rows == r, kk[None, :], a_kk), jnp.where(rows == r, qk[None, :], a_qk)
-
-    zeros = jnp.zeros((SUB, SUB), jnp.float32)
-    return lax.fori_loop(0, SUB, body, (zeros, zeros))
+    cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    row_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    a_kk = jnp.zeros((SUB, SUB), jnp.float32)
+    a_qk = jnp.where(rows == cols, jnp.sum(q * k, axis=1)[:, None], 0.0)
+    second_half = lambda i, b: (i // b) % 2 == 1  # noqa: E731
+    for b in (8, 4, 2, 1):
+        same_group = rows // (2 * b) == cols // (2 * b)
+        to_reference = jnp.where(second_half(rows, b), second_half(cols, b) & (cols <= rows),
+                                 ~second_half(cols, b) & (cols > rows))
+        factor = opts.exp(_dot(jnp.where(same_group & to_reference, 1.0, 0.0), log_decay, jnp.float32))  # [SUB, K]
+        in_rows = second_half(row_index, b)  # rows of a pair sit in a second half, columns in a first
+        k_col = jnp.where(in_rows, 0.0, factor) * k
+        k_row, q_row = jnp.where(in_rows, factor, 0.0) * k, jnp.where(in_rows, factor, 0.0) * q
+        a_kk = a_kk + jnp.where(same_group, _dot(k_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
+        a_qk = a_qk + jnp.where(same_group, _dot(q_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
+    return a_kk, a_qk
 
 
 def _diagonal_block_midpoint(q, k, G, opts):
-    """Same as the pairwise form through the block midpoint: exponents bounded by 8 |g| (lower-bound gate)."""
+    """:func:`_diagonal_block_dyadic`'s blocks from the cumsum ``G`` through the block midpoint: exponents bounded by
+    8 |g| (lower-bound gate), one exponential per element and two dots (session 22: 160.4 us at H32 T8K against
+    435.5 for the dyadic form with this gate)."""
     mid = _select_row(G, SUB // 2)[None, :]
     k_out, from_mid, dtype = k * opts.exp(mid - G), opts.exp(G - mid), opts.dot_dtype
     return _dot(k * from_mid, k_out, dtype, trans_b=True), _dot(q * from_mid, k_out, dtype, trans_b=True)
@@ -173,7 +186,7 @@ def _unit_lower_inverse(a):
 
 def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, t_ref,
                      qk_ref, *, opts: _Options):
-    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the pairwise row loop, or the
+    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the dyadic form, or the
     midpoint form where the lower-bound gate allows it), ready for the intra kernel:
     ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the dot dtype), from
     a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
@@ -190,8 +203,11 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
     def _():
         q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
         k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
-        G = jnp.cumsum(_load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
-        a_kk, a_qk = (_diagonal_block_midpoint if opts.midpoint_diagonal else _diagonal_block_pairwise)(q, k, G, opts)
+        log_decay = _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts)
+        if opts.midpoint_diagonal:
+            a_kk, a_qk = _diagonal_block_midpoint(q, k, jnp.cumsum(log_decay, axis=0), opts)
+        else:
+            a_kk, a_qk = _diagonal_block_dyadic(q, k, log_decay, opts)
         beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
                              other=0).astype(jnp.float32)[:, None]
         t_ref[...] = _unit_lower_inverse(jnp.where(_tril(strict=True), a_kk * beta, 0.0)).astype(t_ref.dtype)
@@ -206,7 +222,9 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
 def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                   *refs, opts: _Options):
     """``refs``: the diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (t, qk), then the outputs
-    ``w, u, qg, kg, aqk, decay``."""
+    ``w, u, qg, kg, aqk, decay``. Each earlier sub-chunk ``j`` stays live as ``k_j exp(G_end_j - G_j)`` and the
+    vector ``G_end_j`` (its last row of ``G``), not as its ``k`` and ``G`` tiles: fewer live registers and one
+    tile exponential per use instead of two (session 22, H32 T8K: 472.9 us against 512.7)."""
     t_diag_ref, qk_diag_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs
     chunk, hv = pl.program_id(0), pl.program_id(1)
     head = hv // opts.group
@@ -216,7 +234,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
     @pl.when(num_valid > 0)
     def _():
         offset = jnp.zeros((k_ref.shape[-1],), jnp.float32)  # G at the end of the previous sub-chunk
-        keys, logs, solved = [], [], []
+        keys, ends, solved = [], [], []  # k_j exp(G_end_j - G_j), G_end_j [K], (u_j, w_j)
         for i in range(NUM_SUB):
             start, valid = bos + i * SUB, num_valid - i * SUB
             q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
@@ -234,7 +252,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             q_in, k_in = q * from_offset, k * from_offset
             for j in range(NUM_SUB):
                 if j < i:  # rows in sub-chunk i, columns in sub-chunk j < i, through G at the end of sub-chunk i-1
-                    k_out = keys[j] * opts.exp(offset[None, :] - logs[j])
+                    k_out = keys[j] * opts.exp(offset - ends[j])[None, :]
                     a_ij = beta * _dot(k_in, k_out, dtype, trans_b=True)
                     aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _dot(q_in, k_out, dtype, trans_b=True).astype(
                         aqk_ref.dtype)
@@ -246,12 +264,13 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             u_ref[pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
             w_ref[pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
             qg_ref[pl.ds(i * SUB, SUB), :] = (q * gamma).astype(qg_ref.dtype)
-            keys.append(k)
-            logs.append(G)
+            end = _select_row(G, SUB - 1)
+            keys.append(k * opts.exp(end[None, :] - G))
+            ends.append(end)
             solved.append((u, w))
-            offset = _select_row(G, SUB - 1)
+            offset = end
         for i in range(NUM_SUB):
-            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * opts.exp(offset[None, :] - logs[i])).astype(kg_ref.dtype)
+            kg_ref[pl.ds(i * SUB, SUB), :] = (keys[i] * opts.exp(offset - ends[i])[None, :]).astype(kg_ref.dtype)
         decay_ref[...] = opts.exp(offset)
 
 
@@ -351,7 +370,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
     Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Three launches: the diagonal blocks, grid (chunk,
-    sub-chunk, value head) with ``diagonal_warps`` (default 2 for the pairwise row loop, 1 for the midpoint form),
+    sub-chunk, value head) with ``diagonal_warps`` (default 2 for the dyadic form, 1 for the midpoint form; session
+    22, dyadic: 447.3 us against 552.8 with 4 warps and 1324.5 with 1),
     then the intra kernel, then the scan. The diagonal launch also inverts each 16 x 16 block (session 20, H32 T8K:
     softplus 1394.0 us against 1461.7 with the inverses in the intra kernel; lower bound 987.2 against 1002.5 with
     the midpoint blocks and inverses in the intra kernel, and 1007.8 / 1015.9 with 2 / 4 diagonal warps). Session 18,
@@ -359,7 +379,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     4; the whole prefill 1664 us against 3215 us with the row loop inside the intra kernel. With the diagonal
     blocks and their inverses out of the intra kernel, ``intra_warps=4`` is fastest (session 20, H32 T8K: lower
     bound 892.4 us against 997.1 with 8 and 1307.2 with 2; softplus 1287.1 against 1421.6 / 1723.0; in session 4,
-    with the midpoint blocks inside it, 8 warps had won, 1309 us against 1892). The scan is fastest with 4 warps
+    with the midpoint blocks inside it, 8 warps had won, 1309 us against 1892; session 22, with the kept keys
+    ``k_j exp(G_end_j - G_j)``: 473.1 us against 632.3 with 8). The scan is fastest with 4 warps
     (314 us against 404 us with 8; session 20: 214.3 against 304.5) and ``scan_stages=3``, which prefetches two
     chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update (session 18, H32 T8K, lower-bound gate:
     233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us, session 20: 257.0 against 214.3; 4

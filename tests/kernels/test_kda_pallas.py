@@ -55,7 +55,7 @@ def varlen_pallas_and_reference(x, lower_bound):
 @pytest.mark.parametrize("dtype,lower_bound", [(jnp.float32, -5.0), (jnp.bfloat16, None), (jnp.float32, None)])
 def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
     """Varlen with empty / one-token sequences and padding, GVA, in-kernel gate (both forms; the -5 bound takes
-    the midpoint diagonal path, softplus the pairwise one) and L2 norm, initial states, checkpoints."""
+    the midpoint diagonal path, softplus the dyadic one) and L2 norm, initial states, checkpoints."""
     x = prefill_inputs(0, dtype)
     ours, ref = varlen_pallas_and_reference(x, lower_bound)
     tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
@@ -78,7 +78,7 @@ def test_chunk_at_kimi_head_size_with_checkpoints_fits_and_matches(lower_bound):
 
 
 def test_chunk_dense_log_decay_matches_naive():
-    """Dense batch of 2, odd length, precomputed log-decay (pairwise diagonal), no initial state, custom scale."""
+    """Dense batch of 2, odd length, precomputed log-decay (dyadic diagonal), no initial state, custom scale."""
     rng = np.random.default_rng(1)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     norm = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
@@ -92,9 +92,9 @@ def test_chunk_dense_log_decay_matches_naive():
     assert_close(state, state_ref, FP32_TOL, "final_state")
 
 
-def test_chunk_pairwise_diagonal_wide_keys_strong_decay():
-    """K=64 with the pairwise diagonal block, dense batch of 2, odd length, log-decay as strong as
-    -30 per step (exp(-G) overflows fp32 within a 16-token block, so only the masked pairwise form is exact),
+def test_chunk_dyadic_diagonal_wide_keys_strong_decay():
+    """K=64 with the dyadic diagonal block, dense batch of 2, odd length, log-decay as strong as
+    -30 per step (exp(-G) overflows fp32 within a 16-token block, so only forms whose factors are all <= 1 hold),
     initial state; against the token recurrence."""
     rng = np.random.default_rng(7)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -108,6 +108,28 @@ def test_chunk_pairwise_diagonal_wide_keys_strong_decay():
     assert float(jnp.min(g)) < -25.0
     assert_close(o, o_ref, FP32_TOL, "o")
     assert_close(state, state_ref, FP32_TOL, "final_state")
+
+
+@pytest.mark.parametrize("decay_scale", [0.01, 1.0, 40.0])
+def test_dyadic_diagonal_blocks_match_pairwise_formula(decay_scale):
+    """The dyadic factorisation of a 16-token diagonal block against the masked pairwise formula in float64, from
+    no decay to -40 per step (where ``exp(+-G)`` alone overflows): every pair (r, c <= r) must come from exactly
+    one level, and nothing may land on or above the diagonal of ``A_kk`` or above that of ``A_qk``."""
+    from pallas_kernels.kda import chunk as chunk_module
+    rng = np.random.default_rng(int(decay_scale * 100))
+    q, k = rng.standard_normal((16, 32)), rng.standard_normal((16, 32))
+    log_decay = -decay_scale * rng.uniform(0, 1, (16, 32))
+    G = np.cumsum(log_decay, axis=0)
+    exponent = np.where(np.tril(np.ones((16, 16)))[:, :, None] > 0, G[:, None, :] - G[None, :, :], -np.inf)
+    decay = np.exp(exponent)  # [r, c, K]
+    want_kk = np.tril(np.einsum("rd,cd,rcd->rc", k, k, decay), -1)
+    want_qk = np.einsum("rd,cd,rcd->rc", q, k, decay)
+    opts = chunk_module._Options(group=1, scale=1.0, normalize_qk=False, has_gate=True, lower_bound=None,
+                                 dot_dtype=jnp.float32, fast_math=False)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got_kk, got_qk = map(np.asarray, chunk_module._diagonal_block_dyadic(f32(q), f32(k), f32(log_decay), opts))
+    np.testing.assert_allclose(got_kk, want_kk, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 products of O(1) terms
+    np.testing.assert_allclose(got_qk, want_qk, rtol=1e-5, atol=1e-5)
 
 
 def test_chunk_strongly_coupled_sub_chunks_match_naive():
