@@ -464,7 +464,7 @@ def suite_cases(suite, rng):
                 [(64, 32, jnp.float32, False), (64, 96, jnp.float32, False)])
     if suite == "quick":
         return ([("H32 T8K", [8192], 32, 32, LOWER_BOUND, True),
-                 ("H32 T8K softplus", [8192], 32, 32, None, False),  # Kimi-Linear's gate: pairwise diagonal
+                 ("H32 T8K softplus", [8192], 32, 32, None, False),  # Kimi-Linear's gate: dyadic diagonal
                  ("varlen8 H12 1-4K", list(rng.integers(1024, 4097, 8)), 12, 12, LOWER_BOUND, False)],
                 [(64, 32, jnp.float32, True), (64, 32, jnp.bfloat16, False), (1, 32, jnp.float32, False)])
     # full: the XLA reference everywhere but H=96 T=32K (its compile + run would not fit the call's budget)
