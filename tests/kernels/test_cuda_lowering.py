@@ -105,7 +105,7 @@ def mxfp4_fp32_gemm(weight_format, x, packed, scales, group_sizes):
 
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     """Kimi-Linear's varlen prefill (H=32, K=V=128): in-kernel gate and L2 norm; the softplus gate takes the
-    pairwise diagonal blocks, the lower bound the midpoint ones; the GPU's PTX approximations of exp, the gate's
+    dyadic diagonal blocks, the lower bound the midpoint ones; the GPU's PTX approximations of exp, the gate's
     log and its reciprocal (inline asm, which interpret mode cannot run)."""
     return kda_chunk.chunk_kda_pallas(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True, A_log=a_log,
                                       dt_bias=dt_bias, lower_bound=lower_bound, fast_math=True)
@@ -164,7 +164,7 @@ CASES = {
 
 LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 3, "kda_decode": 2, "router_k3": 2,
             "router_kimi_linear": 2}
-"""Triton launches per case where there is more than one: each prefill's diagonal blocks (pairwise or midpoint),
+"""Triton launches per case where there is more than one: each prefill's diagonal blocks (dyadic or midpoint),
 intra kernel and scan; split-V decode and its epilogue; the router's logits and its top-k."""
 
 
