@@ -4,7 +4,8 @@ Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (
 
 1. ``_diagonal_kernel``, grid ``(NC, 4, HV)``, one 16-token sub-chunk per program: the diagonal blocks of
    ``A_kk``/``A_qk``, either through the sub-chunk midpoint when the lower-bound gate bounds the exponent span,
-   or through dyadic reference rows for any gate, and the inverse of each unit-lower ``I + A_kk`` block (a product of four factors).
+   or through dyadic reference rows for any gate, and the inverse of each unit-lower ``I + A_kk`` block (a
+   product of four factors).
 2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
    norm, optional gate, in-chunk cumsum ``G``, then the off-diagonal blocks of ``A_kk``/``A_qk`` by 16-token
    sub-chunks (they factor through the sub-chunk start, so every exponent is <= 0), the unit-lower triangular
