@@ -148,8 +148,8 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
                                  ~second_half(cols, b) & (cols > rows))
         factor = opts.exp(_dot(jnp.where(same_group & to_reference, 1.0, 0.0), log_decay, jnp.float32))  # [SUB, K]
         in_rows = second_half(row_index, b)  # rows of a pair sit in a second half, columns in a first
-        k_col = jnp.where(in_rows, 0.0, factor) * k
-        k_row, q_row = jnp.where(in_rows, factor, 0.0) * k, jnp.where(in_rows, factor, 0.0) * q
+        row_factor = jnp.where(in_rows, factor, 0.0)
+        k_col, k_row, q_row = jnp.where(in_rows, 0.0, factor) * k, row_factor * k, row_factor * q
         a_kk = a_kk + jnp.where(same_group, _dot(k_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
         a_qk = a_qk + jnp.where(same_group, _dot(q_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
     return a_kk, a_qk

@@ -99,11 +99,16 @@ def _word_ptx(block: int, narrow_scales: bool) -> str:
     return "{ .reg .b32 t, m, k; mov.b32 k, 0x7E807E80; " + " ".join(lines) + " }"
 
 
+def _scale_code(word: jax.Array, byte: int) -> jax.Array:
+    """E8M0 code ``byte`` (0-3) of uint32 scale words."""
+    return (word >> (8 * byte)) & 0xFF
+
+
 def _scale_pair(word: jax.Array, byte: int, narrow_scales: bool) -> jax.Array:
     """uint32 scale words ``[bn]`` (4 E8M0 codes) -> uint32 ``[bn]``: code ``byte`` as a bf16 pair (both halves),
     ``2**(s - 1)`` with ``narrow_scales`` (every code <= 128; the decode's 2**126 folded in), else ``2**(s - 127)``
     (code 0: the subnormal 2**-127)."""
-    code = (word >> (8 * byte)) & 0xFF
+    code = _scale_code(word, byte)
     half = ((code + 126) << 7) if narrow_scales else jnp.maximum(code << 7, jnp.uint32(0x40))
     return half | (half << 16)
 
@@ -121,7 +126,7 @@ def _decode_words(packed: jax.Array, word: jax.Array, first_byte: int, how: str,
             constraints="=r,=r,r,r,r,r,r", pack=4, result_shape_dtypes=[shape])[0]
             for half in range(2))
     codes = mxfp4.word_order_codes(packed)
-    scales = (((word >> (8 * (first_byte + half))) & 0xFF).astype(jnp.uint8) for half in range(2))
+    scales = (_scale_code(word, first_byte + half).astype(jnp.uint8) for half in range(2))
     return tuple(e2m1_to_bf16(c.astype(jnp.uint16)) * e8m0_to_bf16(sc)[:, None] for c, sc in zip(codes, scales))
 
 
