@@ -5,9 +5,11 @@ Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (
 1. ``_diagonal_kernel``, grid ``(NC, 4, HV)``, one 16-token sub-chunk per program: the diagonal blocks of
    ``A_kk``/``A_qk``, either through the sub-chunk midpoint when the lower-bound gate bounds the exponent span,
    or through dyadic reference rows for any gate, and the inverse of each unit-lower ``I + A_kk`` block (a
-   product of four factors).
+   product of four factors). It also writes the sub-chunk cumsum of the log-decays (fp32 ``[T, HV, K]``, gate
+   applied), so that the gate and the cumsum are computed once.
 2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
-   norm, optional gate, in-chunk cumsum ``G``, then the off-diagonal blocks of ``A_kk``/``A_qk`` by 16-token
+   norm, in-chunk cumsum ``G`` from the diagonal launch's sub-chunk cumsums, then the off-diagonal blocks of
+   ``A_kk``/``A_qk`` by 16-token
    sub-chunks (they factor through the sub-chunk start, so every exponent is <= 0), the unit-lower triangular
    solve by block forward substitution with the diagonal launch's inverses, and the chunk summaries
    ``w, u, qg = q*Gamma, kg = k*exp(G_C - G), A_qk, exp(G_C)``.
@@ -132,10 +134,12 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
     block also takes the diagonal ``q_r . k_r``; above it both are 0), from the block's log-decays ``[SUB, K]``,
     for any gate. A pair ``c < r`` falls in exactly one dyadic level ``b`` of 8, 4, 2, 1: the one where ``r`` and
     ``c`` share a ``2b``-row group but not its ``b``-row half. Through the group's reference row (the last of its
-    first half) ``D_rc = exp(G_r - G_ref) exp(G_ref - G_c)``, and both factors are <= 1. Per level that is one
-    exponential per element of ``S_b @ log_decay`` (``S_b``: 0/1, the log-decays between a row and its reference;
-    an exact fp32 dot) and two ``[SUB, K] x [K, SUB]`` dots in the dot dtype: no row loop and no row selects
-    (session 22, H32 T8K, softplus gate: 447.3 us against 568.5 for the masked row loop it replaced)."""
+    first half) ``D_rc = exp(G_r - G_ref) exp(G_ref - G_c)``, and both factors are <= 1. Their exponents are
+    segmented sums over the ``b``-row halves: a row's log-decays through it in its half (rows) and those after
+    it in its half (columns), an in-register cumsum of the ``[16 / b, b, K]`` reshape. Per level: one
+    exponential per element and two ``[SUB, K] x [K, SUB]`` dots in the dot dtype; no row loop, row selects or
+    exponent dots (H32 T8K, softplus gate: 373.1 us in session 23 against 449.3 with the exponents as fp32
+    ``S_b @ log_decay`` dots, and 568.5 in session 22 for the masked row loop)."""
     rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     row_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
@@ -144,12 +148,13 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
     second_half = lambda i, b: (i // b) % 2 == 1  # noqa: E731
     for b in (8, 4, 2, 1):
         same_group = rows // (2 * b) == cols // (2 * b)
-        to_reference = jnp.where(second_half(rows, b), second_half(cols, b) & (cols <= rows),
-                                 ~second_half(cols, b) & (cols > rows))
-        factor = opts.exp(_dot(jnp.where(same_group & to_reference, 1.0, 0.0), log_decay, jnp.float32))  # [SUB, K]
         in_rows = second_half(row_index, b)  # rows of a pair sit in a second half, columns in a first
-        row_factor = jnp.where(in_rows, factor, 0.0)
-        k_col, k_row, q_row = jnp.where(in_rows, 0.0, factor) * k, row_factor * k, row_factor * q
+        segments = log_decay.reshape(SUB // b, b, log_decay.shape[-1])  # b-row halves
+        through = jnp.cumsum(segments, axis=1)  # row r of a half: the log-decays of its half up to r
+        after = jnp.sum(segments, axis=1, keepdims=True) - through  # those after r in its half
+        factor = opts.exp(jnp.where(in_rows, through.reshape(log_decay.shape), after.reshape(log_decay.shape)))
+        k_col = jnp.where(in_rows, 0.0, factor) * k
+        k_row, q_row = jnp.where(in_rows, factor, 0.0) * k, jnp.where(in_rows, factor, 0.0) * q
         a_kk = a_kk + jnp.where(same_group, _dot(k_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
         a_qk = a_qk + jnp.where(same_group, _dot(q_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
     return a_kk, a_qk
@@ -186,16 +191,18 @@ def _unit_lower_inverse(a):
 
 
 def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, t_ref,
-                     qk_ref, *, opts: _Options):
+                     qk_ref, glocal_ref, *, opts: _Options):
     """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the dyadic form, or the
     midpoint form where the lower-bound gate allows it), ready for the intra kernel:
     ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the dot dtype), from
     a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
     16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as zeros; a
     sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores zeros, since
-    the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The q / k L2 norm
-    and the gate are computed here and again in the intra kernel, rather than written out once and read back (not
-    timed against that)."""
+    the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The sub-chunk
+    cumsum of the log-decays goes to ``glocal_ref [T, HV, K]`` (valid rows only) for the intra kernel, which then
+    applies neither the gate nor the cumsum (session 23, H32 T8K: intra 366.5 us against 477.4, this launch
+    +30 us). The q / k L2 norm is still computed in both launches: writing it out once would cost about as
+    much as it saves, by instruction count (not timed)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
     start, valid = chunk_bos_ref[chunk] + sub * SUB, chunk_len_ref[chunk] - sub * SUB
@@ -205,8 +212,10 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
         q = _load_qk_rows(q_ref, start, head, valid, SUB, opts) * opts.scale
         k = _load_qk_rows(k_ref, start, head, valid, SUB, opts)
         log_decay = _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts)
+        g_local = jnp.cumsum(log_decay, axis=0)
+        pltriton.store(glocal_ref.at[pl.ds(start, SUB), hv, :], g_local, mask=_row_mask(valid, SUB)[:, None])
         if opts.midpoint_diagonal:
-            a_kk, a_qk = _diagonal_block_midpoint(q, k, jnp.cumsum(log_decay, axis=0), opts)
+            a_kk, a_qk = _diagonal_block_midpoint(q, k, g_local, opts)
         else:
             a_kk, a_qk = _diagonal_block_dyadic(q, k, log_decay, opts)
         beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
@@ -220,12 +229,12 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
         qk_ref[...] = jnp.zeros((SUB, SUB), qk_ref.dtype)
 
 
-def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
-                  *refs, opts: _Options):
+def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, glocal_ref, beta_ref, *refs, opts: _Options):
     """``refs``: the diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (t, qk), then the outputs
     ``w, u, qg, kg, aqk, decay``. Each earlier sub-chunk ``j`` stays live as ``k_j exp(G_end_j - G_j)`` and the
     vector ``G_end_j`` (its last row of ``G``), not as its ``k`` and ``G`` tiles: fewer live registers and one
-    tile exponential per use instead of two (session 22, H32 T8K: 472.9 us against 512.7)."""
+    tile exponential per use instead of two (session 22, H32 T8K: 472.9 us against 512.7). ``glocal_ref``: the
+    diagonal launch's sub-chunk cumsums of the log-decays; ``G`` adds the previous sub-chunk's end to them."""
     t_diag_ref, qk_diag_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs
     chunk, hv = pl.program_id(0), pl.program_id(1)
     head = hv // opts.group
@@ -243,8 +252,8 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             v = _load_rows(v_ref, start, hv, valid, SUB)
             beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
                                  other=0).astype(jnp.float32)[:, None]
-            G = offset[None, :] + jnp.cumsum(
-                _load_log_decay(g_ref, a_log_ref, dt_bias_ref, start, hv, valid, SUB, opts), axis=0)
+            g_local = _load_rows(glocal_ref, start, hv, valid, SUB)  # rows past the sequence: 0
+            G = offset[None, :] + g_local
             aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = qk_diag_ref[i].astype(aqk_ref.dtype)
             t_ii = t_diag_ref[i]
             gamma = opts.exp(G)
@@ -265,7 +274,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, g_ref, beta
             u_ref[pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
             w_ref[pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
             qg_ref[pl.ds(i * SUB, SUB), :] = (q * gamma).astype(qg_ref.dtype)
-            end = _select_row(G, SUB - 1)
+            end = offset + _select_row(g_local, jnp.clip(valid, 1, SUB) - 1)  # G at the last valid row
             keys.append(k * opts.exp(end[None, :] - G))
             ends.append(end)
             solved.append((u, w))
@@ -418,18 +427,20 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         diagonal_warps = 1 if opts.midpoint_diagonal else 2
     diagonal_inputs = (*chunk_meta, q, k, g, beta, a_log, dt_bias)  # the diagonal blocks, many small programs per SM
     diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), dot_dtype)
+    glocal = jax.ShapeDtypeStruct((num_tokens, num_value_heads, head_dim), jnp.float32)
     diag_block = pl.BlockSpec((None, None, None, SUB, SUB), lambda c, i, h: (h, c, i, 0, 0))
     diagonal = pl.pallas_call(
-        functools.partial(_diagonal_kernel, opts=opts), out_shape=(diag, diag),
+        functools.partial(_diagonal_kernel, opts=opts), out_shape=(diag, diag, glocal),
         grid=(max_chunks, NUM_SUB, num_value_heads), in_specs=[_full(x.shape) for x in diagonal_inputs],
-        out_specs=(diag_block, diag_block),
+        out_specs=(diag_block, diag_block, _full(glocal.shape)),
         compiler_params=pltriton.CompilerParams(num_warps=diagonal_warps, num_stages=1),
         interpret=interpret, name="kda_chunk_diagonal",
     )(*diagonal_inputs)
 
     inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
     block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
-    whole_inputs = (*chunk_meta, q, k, v, g, beta, a_log, dt_bias)
+    *diagonal, g_local = diagonal
+    whole_inputs = (*chunk_meta, q, k, v, g_local, beta)
     diagonal_spec = pl.BlockSpec((None, None, NUM_SUB, SUB, SUB), lambda c, h: (h, c, 0, 0, 0))  # this chunk's
     w, u, qg, kg, aqk, decay = pl.pallas_call(
         functools.partial(_intra_kernel, opts=opts),
