@@ -9,10 +9,9 @@ Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (
    applied), so that the gate and the cumsum are computed once.
 2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
    norm, in-chunk cumsum ``G`` from the diagonal launch's sub-chunk cumsums, then the off-diagonal blocks of
-   ``A_kk``/``A_qk`` by 16-token
-   sub-chunks (they factor through the sub-chunk start, so every exponent is <= 0), the unit-lower triangular
-   solve by block forward substitution with the diagonal launch's inverses, and the chunk summaries
-   ``w, u, qg = q*Gamma, kg = k*exp(G_C - G), A_qk, exp(G_C)``.
+   ``A_kk``/``A_qk`` by 16-token sub-chunks (they factor through the sub-chunk start, so every exponent is
+   <= 0), the unit-lower triangular solve by block forward substitution with the diagonal launch's inverses,
+   and the chunk summaries ``w, u, qg = q*Gamma, kg = k*exp(G_C - G), A_qk, exp(G_C)``.
 3. ``_scan_kernel``, grid ``(HV, V // BV, N)``, sequential over the chunks of one sequence (the sequences in
    decreasing length, so that the GPU starts every program of the longest sequence first): ``U = u - w S``,
    ``o = qg S + A_qk U``, ``S <- exp(G_C) S + kg^T U``, and the states at the requested checkpoint positions
@@ -153,8 +152,8 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
         through = jnp.cumsum(segments, axis=1)  # row r of a half: the log-decays of its half up to r
         after = jnp.sum(segments, axis=1, keepdims=True) - through  # those after r in its half
         factor = opts.exp(jnp.where(in_rows, through.reshape(log_decay.shape), after.reshape(log_decay.shape)))
-        k_col = jnp.where(in_rows, 0.0, factor) * k
-        k_row, q_row = jnp.where(in_rows, factor, 0.0) * k, jnp.where(in_rows, factor, 0.0) * q
+        row_factor = jnp.where(in_rows, factor, 0.0)
+        k_col, k_row, q_row = jnp.where(in_rows, 0.0, factor) * k, row_factor * k, row_factor * q
         a_kk = a_kk + jnp.where(same_group, _dot(k_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
         a_qk = a_qk + jnp.where(same_group, _dot(q_row, k_col, opts.dot_dtype, trans_b=True), 0.0)
     return a_kk, a_qk
@@ -439,7 +438,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
 
     inter = lambda width, dt: jax.ShapeDtypeStruct((num_value_heads, max_chunks, CHUNK, width), dt)
     block = lambda width: pl.BlockSpec((None, None, CHUNK, width), lambda c, h: (h, c, 0, 0))
-    *diagonal, g_local = diagonal
+    t_blocks, qk_blocks, g_local = diagonal
     whole_inputs = (*chunk_meta, q, k, v, g_local, beta)
     diagonal_spec = pl.BlockSpec((None, None, NUM_SUB, SUB, SUB), lambda c, h: (h, c, 0, 0, 0))  # this chunk's
     w, u, qg, kg, aqk, decay = pl.pallas_call(
@@ -453,7 +452,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
         compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=intra_stages),
         interpret=interpret, name="kda_chunk_intra",
-    )(*whole_inputs, *diagonal)
+    )(*whole_inputs, t_blocks, qk_blocks)
 
     has_initial_state = initial_state is not None
     s0 = initial_state.astype(jnp.float32) if has_initial_state else jnp.zeros((1,), jnp.float32)
