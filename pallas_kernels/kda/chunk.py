@@ -257,7 +257,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, glocal_ref,
             t_ii = t_diag_ref[i]
             gamma = opts.exp(G)
             rhs_u, rhs_w = beta * v, beta * gamma * k
-            from_offset = opts.exp(G - offset[None, :])
+            from_offset = opts.exp(g_local)  # exp(G - offset)
             q_in, k_in = q * from_offset, k * from_offset
             for j in range(NUM_SUB):
                 if j < i:  # rows in sub-chunk i, columns in sub-chunk j < i, through G at the end of sub-chunk i-1
