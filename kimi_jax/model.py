@@ -76,15 +76,15 @@ def _stack_index(layers: tuple[int, ...]) -> dict[int, int]:
 
 
 class _Mixer:
-    """AttnRes depth mixing over ``blocks + [partial]`` (fp32 sources)."""
+    """AttnRes depth mixing over ``blocks + [partial]`` (fp32 sources), by XLA's fusion of the reference under
+    every ``impl``: the Pallas mix measured 0.51-0.90x of it on the H200 (BENCHMARKS.md, sessions 2 and 24)."""
 
-    def __init__(self, eps: float, impl: str | None):
+    def __init__(self, eps: float):
         self.eps = eps
-        self.impl = impl
 
     def __call__(self, blocks: list[jax.Array], partial: jax.Array, query: jax.Array, norm: jax.Array) -> jax.Array:
         sources = jnp.stack(blocks + [partial])  # [L, T, D]
-        mixed, _ = attnres_mix(query, sources, norm, eps=self.eps, impl=self.impl)
+        mixed, _ = attnres_mix(query, sources, norm, eps=self.eps, impl="reference")
         return mixed
 
 
@@ -102,7 +102,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     kda_j, mla_j = _stack_index(cfg.kda_layers), _stack_index(cfg.mla_layers)
     dense_j, moe_j = _stack_index(cfg.dense_layers), _stack_index(cfg.moe_layers)
     state, conv, pages, scales = cache.kda_state, cache.kda_conv, cache.mla, cache.mla_scales
-    mix = _Mixer(cfg.rms_norm_eps, impl)
+    mix = _Mixer(cfg.rms_norm_eps)
     dtype = x.dtype
 
     def attention(i: int, h: jax.Array) -> jax.Array | PartialSum:
