@@ -38,6 +38,7 @@ import numpy as np
 
 from pallas_kernels.bench_timing import kernel_split_us
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
+from pallas_kernels.kda.chunk import chunk_kda_pallas
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -195,6 +196,17 @@ class PrefillCase:
         if jax.devices()[0].platform == "gpu":  # which launch (diagonal blocks, intra-chunk, scan) takes the time
             self.row["ours_kernel_us"] = kernel_split_us(ours, prefill_args(self.x))
             print(f"{self.row['name']}: ours per kernel {self.row['ours_kernel_us']}", flush=True)
+        if self.lower_bound is None:  # the opt-in per-block midpoint form of the diagonal launch
+            adaptive = jax.jit(lambda *a: chunk_kda_pallas(*a[:5], cu_seqlens=a[5], use_qk_l2norm=True, A_log=a[6],
+                                                           dt_bias=a[7], adaptive_diagonal=True)[:2])
+            o, _ = adaptive(*prefill_args(self.x))
+            self.row["ours_adaptive_rel_o"] = rel_err(o, self.out[0]) if self.out is not None else float("nan")
+            self.row["ours_adaptive_s"] = time_jax(adaptive, *prefill_args(self.x))
+            if jax.devices()[0].platform == "gpu":
+                self.row["ours_adaptive_kernel_us"] = kernel_split_us(adaptive, prefill_args(self.x))
+            print(f"{self.row['name']}: ours, adaptive diagonal {self.row['ours_adaptive_s'] * 1e3:.3f} ms "
+                  f"{self.row.get('ours_adaptive_kernel_us', '')} (rel o {self.row['ours_adaptive_rel_o']:.1e})",
+                  flush=True)
 
     def time_reference(self):
         self.row["xla_ref_s"] = time_jax(lambda *a: prefill_call(*a, impl="reference", lower_bound=self.lower_bound),

@@ -3,8 +3,8 @@
 Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (no padding copy):
 
 1. ``_diagonal_kernel``, grid ``(NC, 4, HV)``, one 16-token sub-chunk per program: the diagonal blocks of
-   ``A_kk``/``A_qk``, either through the sub-chunk midpoint when the lower-bound gate bounds the exponent span,
-   or through dyadic reference rows for any gate, and the inverse of each unit-lower ``I + A_kk`` block (a
+   ``A_kk``/``A_qk``, through the sub-chunk midpoint where the exponent span is bounded (always under the
+   lower-bound gate; per block otherwise), else through dyadic reference rows, and the inverse of each unit-lower ``I + A_kk`` block (a
    product of four factors). It also writes the sub-chunk cumsum of the log-decays (fp32 ``[T, HV, K]``, gate
    applied), so that the gate and the cumsum are computed once.
 2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
@@ -46,6 +46,8 @@ NUM_SUB = CHUNK // SUB
 L2_EPS = 1e-6
 # The midpoint factorisation of a 16-token diagonal block forms exp(+-8 |g|); |g| <= 10 keeps it below e^80.
 MIDPOINT_MAX_DECAY = 10.0
+MIDPOINT_MAX_SPAN = SUB // 2 * MIDPOINT_MAX_DECAY
+"""Largest ``max |G_r - G_mid|`` of a block's cumsum for which any gate takes the midpoint form (e^+-80)."""
 LOG2_E, LN_2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -60,6 +62,7 @@ class _Options:
     lower_bound: float | None
     dot_dtype: jnp.dtype
     fast_math: bool  # PTX ex2 / lg2 / rcp approximations (GPU) in place of libdevice's exact expf / log1pf / divide
+    adaptive_diagonal: bool = False  # unbounded gates: the midpoint form per block where its span allows
 
     def exp(self, x):
         """``exp`` of an fp32 tile: ``ex2.approx.ftz(x log2 e)`` with ``fast_math``, else ``jnp.exp``."""
@@ -159,13 +162,22 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
     return a_kk, a_qk
 
 
-def _diagonal_block_midpoint(q, k, G, opts):
-    """:func:`_diagonal_block_dyadic`'s blocks from the cumsum ``G`` through the block midpoint: exponents bounded by
-    8 |g| (lower-bound gate), one exponential per element and two dots (session 22: 160.4 us at H32 T8K against
-    435.5 for the dyadic form with this gate)."""
-    mid = _select_row(G, SUB // 2)[None, :]
+def _diagonal_block_midpoint(q, k, G, mid, opts):
+    """:func:`_diagonal_block_dyadic`'s blocks from the cumsum ``G`` through its midpoint row ``mid = G[SUB // 2]``
+    (``[1, K]``): exponents bounded by ``max |G - mid|`` (8 |g| under the lower-bound gate), one exponential per
+    element and two dots (session 22: 160.4 us at H32 T8K against 435.5 for the dyadic form with this gate)."""
     k_out, from_mid, dtype = k * opts.exp(mid - G), opts.exp(G - mid), opts.dot_dtype
     return _dot(k * from_mid, k_out, dtype, trans_b=True), _dot(q * from_mid, k_out, dtype, trans_b=True)
+
+
+def _diagonal_block_any_gate(q, k, log_decay, G, opts):
+    """The diagonal blocks for a gate that bounds nothing: the midpoint form where this block's cumsum ``G`` stays
+    within :data:`MIDPOINT_MAX_SPAN` of its midpoint row (the exponents then stay as bounded as the lower-bound
+    gate keeps them: no overflow, no fp32 underflow), else the dyadic form. One branch per program."""
+    mid = _select_row(G, SUB // 2)[None, :]
+    return lax.cond(jnp.max(jnp.abs(G - mid)) <= MIDPOINT_MAX_SPAN,
+                    lambda: _diagonal_block_midpoint(q, k, G, mid, opts),
+                    lambda: _diagonal_block_dyadic(q, k, log_decay, opts))
 
 
 def _tril(strict):
@@ -191,8 +203,8 @@ def _unit_lower_inverse(a):
 
 def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, t_ref,
                      qk_ref, glocal_ref, *, opts: _Options):
-    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the dyadic form, or the
-    midpoint form where the lower-bound gate allows it), ready for the intra kernel:
+    """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the midpoint form where the
+    lower-bound gate or the block's own span allows it, else the dyadic form), ready for the intra kernel:
     ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the dot dtype), from
     a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
     16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as zeros; a
@@ -214,7 +226,9 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
         g_local = jnp.cumsum(log_decay, axis=0)
         pltriton.store(glocal_ref.at[pl.ds(start, SUB), hv, :], g_local, mask=_row_mask(valid, SUB)[:, None])
         if opts.midpoint_diagonal:
-            a_kk, a_qk = _diagonal_block_midpoint(q, k, g_local, opts)
+            a_kk, a_qk = _diagonal_block_midpoint(q, k, g_local, _select_row(g_local, SUB // 2)[None, :], opts)
+        elif opts.adaptive_diagonal:
+            a_kk, a_qk = _diagonal_block_any_gate(q, k, log_decay, g_local, opts)
         else:
             a_kk, a_qk = _diagonal_block_dyadic(q, k, log_decay, opts)
         beta = pltriton.load(beta_ref.at[pl.ds(start, SUB), hv], mask=_row_mask(valid, SUB),
@@ -375,7 +389,8 @@ def _full(shape):
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
                      block_v: int = 32, intra_warps: int = 4, scan_warps: int = 4, intra_stages: int = 2,
-                     scan_stages: int = 3, diagonal_warps: int | None = None, fast_math: bool | None = None):
+                     scan_stages: int = 3, diagonal_warps: int | None = None, fast_math: bool | None = None,
+                     adaptive_diagonal: bool = False):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
     Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Three launches: the diagonal blocks, grid (chunk,
@@ -396,6 +411,9 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (session 20: 1 stage within 0.5% at 4
     warps; 1 and 3 within 0.1% at 8).
     ``fast_math`` (default: on the GPU) picks the PTX approximations over ``jnp.exp`` / the exact gate.
+    ``adaptive_diagonal`` (gates without a lower bound): each diagonal block takes the midpoint form when its span
+    allows (:func:`_diagonal_block_any_gate`), else the dyadic form; off until the H200 times it (the bench's
+    softplus rows time both; SASS per program: 4200 dyadic, about 2400 midpoint, 4944 static for both).
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
     | None)``.
@@ -414,7 +432,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     fast_math = not interpret if fast_math is None else fast_math
     opts = _Options(group=num_value_heads // num_heads, scale=head_dim**-0.5 if scale is None else float(scale),
                     normalize_qk=use_qk_l2norm, has_gate=A_log is not None, lower_bound=lower_bound,
-                    dot_dtype=dot_dtype, fast_math=fast_math)
+                    dot_dtype=dot_dtype, fast_math=fast_math, adaptive_diagonal=adaptive_diagonal)
     flat = lambda x: x.reshape((num_tokens,) + x.shape[2:])
     q, k, v, g, beta = map(flat, (q, k, v, g, beta))
     if A_log is None:

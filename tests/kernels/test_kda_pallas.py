@@ -65,6 +65,23 @@ def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
     assert np.all(np.asarray(ours[0][0, 130:]) == 0)  # tokens past the last sequence
 
 
+@pytest.mark.slow  # ~15 s CPU: interpret-mode compile of the full kernels
+def test_chunk_adaptive_diagonal_softplus_varlen_matches_reference():
+    """The opt-in per-block midpoint form (softplus gate, fp32: heads' spans from mild to far past 80, so both
+    branches run) equals the reference on the varlen batch with initial states and checkpoints."""
+    x = prefill_inputs(2, jnp.float32)
+    x["A_log"] = jnp.asarray([-1.0, 3.0], jnp.float32)  # exp: 0.37 (spans ~5) and 20 (spans ~250)
+    kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
+                  checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
+                  dt_bias=x["dt_bias"])
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    from pallas_kernels.kda.chunk import chunk_kda_pallas
+    ours = jax.jit(lambda *a: chunk_kda_pallas(*a, adaptive_diagonal=True, **kwargs))(*args)
+    ref = chunk_kda(*args, impl="reference", **kwargs)
+    for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
+        assert_close(a, b, FP32_TOL, name)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="shared-memory limits exist on the GPU only")
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_chunk_at_kimi_head_size_with_checkpoints_fits_and_matches(lower_bound):
@@ -130,6 +147,32 @@ def test_dyadic_diagonal_blocks_match_pairwise_formula(decay_scale):
     got_kk, got_qk = map(np.asarray, chunk_module._diagonal_block_dyadic(f32(q), f32(k), f32(log_decay), opts))
     np.testing.assert_allclose(got_kk, want_kk, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 products of O(1) terms
     np.testing.assert_allclose(got_qk, want_qk, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("half_span", [4.0, 74.0, 88.0, 240.0])
+def test_any_gate_diagonal_blocks_match_pairwise_formula(half_span):
+    """A gate that bounds nothing takes the midpoint form for a block whose cumsum stays within 80 of its midpoint
+    row and the dyadic form beyond (4 / 74: midpoint; 88 / 240: dyadic, where the midpoint's exp(+-120) would
+    overflow): either way the blocks equal the masked pairwise formula in float64."""
+    from pallas_kernels.kda import chunk as chunk_module
+    rng = np.random.default_rng(int(half_span))
+    q, k = rng.standard_normal((16, 32)), rng.standard_normal((16, 32))
+    step = half_span / 8  # the steepest channel's decay per token: |G_0 - G_8| = 8 steps
+    log_decay = -step * np.concatenate([np.ones((16, 1)), rng.uniform(0, 1, (16, 31))], axis=1)
+    G = np.cumsum(log_decay, axis=0)
+    assert np.isclose(np.abs(G - G[8]).max(), half_span)
+    exponent = np.where(np.tril(np.ones((16, 16)))[:, :, None] > 0, G[:, None, :] - G[None, :, :], -np.inf)
+    decay = np.exp(exponent)  # [r, c, K]
+    want_kk = np.tril(np.einsum("rd,cd,rcd->rc", k, k, decay), -1)
+    want_qk = np.einsum("rd,cd,rcd->rc", q, k, decay)
+    opts = chunk_module._Options(group=1, scale=1.0, normalize_qk=False, has_gate=True, lower_bound=None,
+                                 dot_dtype=jnp.float32, fast_math=False)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got_kk, got_qk = map(np.asarray, chunk_module._diagonal_block_any_gate(f32(q), f32(k), f32(log_decay), f32(G),
+                                                                           opts))
+    # (the kernel keeps the strict / full lower triangles of the two, as here)
+    np.testing.assert_allclose(np.tril(got_kk, -1), want_kk, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 O(1) terms
+    np.testing.assert_allclose(np.tril(got_qk), want_qk, rtol=1e-5, atol=1e-5)
 
 
 def test_chunk_strongly_coupled_sub_chunks_match_naive():
