@@ -8,12 +8,15 @@ fp32 math like their reference (1e-4), except that a bf16 state pool can round o
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import kda
+from pallas_kernels.kda import chunk as chunk_module
 from tests.kernels.helpers import assert_close
 
 from .test_kda_reference import naive_recurrent_kda
@@ -127,26 +130,35 @@ def test_chunk_dyadic_diagonal_wide_keys_strong_decay():
     assert_close(state, state_ref, FP32_TOL, "final_state")
 
 
+_BLOCK_OPTS = chunk_module._Options(group=1, scale=1.0, normalize_qk=False, has_gate=True, lower_bound=None,
+                                    dot_dtype=jnp.float32, fast_math=False)
+_f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+
+
+def _assert_pairwise_blocks(got, q, k, log_decay, *, keep_lower=False):
+    """A diagonal block's fp32 ``(A_kk, A_qk)`` against the masked pairwise formula in float64 (to 1e-5: fp32 sums
+    of 32 products of O(1) terms); ``keep_lower``: only on the strict / full lower triangles, which is what the
+    kernel keeps of them."""
+    G = np.cumsum(log_decay, axis=0)
+    exponent = np.where(np.tril(np.ones((16, 16)))[:, :, None] > 0, G[:, None, :] - G[None, :, :], -np.inf)
+    decay = np.exp(exponent)  # [r, c, K]
+    got_kk, got_qk = map(np.asarray, got)
+    if keep_lower:
+        got_kk, got_qk = np.tril(got_kk, -1), np.tril(got_qk)
+    np.testing.assert_allclose(got_kk, np.tril(np.einsum("rd,cd,rcd->rc", k, k, decay), -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_qk, np.einsum("rd,cd,rcd->rc", q, k, decay), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("decay_scale", [0.01, 1.0, 40.0])
 def test_dyadic_diagonal_blocks_match_pairwise_formula(decay_scale):
     """The dyadic factorisation of a 16-token diagonal block against the masked pairwise formula in float64, from
     no decay to -40 per step (where ``exp(+-G)`` alone overflows): every pair (r, c <= r) must come from exactly
     one level, and nothing may land on or above the diagonal of ``A_kk`` or above that of ``A_qk``."""
-    from pallas_kernels.kda import chunk as chunk_module
     rng = np.random.default_rng(int(decay_scale * 100))
     q, k = rng.standard_normal((16, 32)), rng.standard_normal((16, 32))
     log_decay = -decay_scale * rng.uniform(0, 1, (16, 32))
-    G = np.cumsum(log_decay, axis=0)
-    exponent = np.where(np.tril(np.ones((16, 16)))[:, :, None] > 0, G[:, None, :] - G[None, :, :], -np.inf)
-    decay = np.exp(exponent)  # [r, c, K]
-    want_kk = np.tril(np.einsum("rd,cd,rcd->rc", k, k, decay), -1)
-    want_qk = np.einsum("rd,cd,rcd->rc", q, k, decay)
-    opts = chunk_module._Options(group=1, scale=1.0, normalize_qk=False, has_gate=True, lower_bound=None,
-                                 dot_dtype=jnp.float32, fast_math=False)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    got_kk, got_qk = map(np.asarray, chunk_module._diagonal_block_dyadic(f32(q), f32(k), f32(log_decay), opts))
-    np.testing.assert_allclose(got_kk, want_kk, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 products of O(1) terms
-    np.testing.assert_allclose(got_qk, want_qk, rtol=1e-5, atol=1e-5)
+    got = chunk_module._diagonal_block_dyadic(*map(_f32, (q, k, log_decay)), _BLOCK_OPTS)
+    _assert_pairwise_blocks(got, q, k, log_decay)
 
 
 @pytest.mark.parametrize("half_span", [4.0, 74.0, 88.0, 240.0])
@@ -154,25 +166,14 @@ def test_any_gate_diagonal_blocks_match_pairwise_formula(half_span):
     """A gate that bounds nothing takes the midpoint form for a block whose cumsum stays within 80 of its midpoint
     row and the dyadic form beyond (4 / 74: midpoint; 88 / 240: dyadic, where the midpoint's exp(+-120) would
     overflow): either way the blocks equal the masked pairwise formula in float64."""
-    from pallas_kernels.kda import chunk as chunk_module
     rng = np.random.default_rng(int(half_span))
     q, k = rng.standard_normal((16, 32)), rng.standard_normal((16, 32))
     step = half_span / 8  # the steepest channel's decay per token: |G_0 - G_8| = 8 steps
     log_decay = -step * np.concatenate([np.ones((16, 1)), rng.uniform(0, 1, (16, 31))], axis=1)
     G = np.cumsum(log_decay, axis=0)
     assert np.isclose(np.abs(G - G[8]).max(), half_span)
-    exponent = np.where(np.tril(np.ones((16, 16)))[:, :, None] > 0, G[:, None, :] - G[None, :, :], -np.inf)
-    decay = np.exp(exponent)  # [r, c, K]
-    want_kk = np.tril(np.einsum("rd,cd,rcd->rc", k, k, decay), -1)
-    want_qk = np.einsum("rd,cd,rcd->rc", q, k, decay)
-    opts = chunk_module._Options(group=1, scale=1.0, normalize_qk=False, has_gate=True, lower_bound=None,
-                                 dot_dtype=jnp.float32, fast_math=False)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    got_kk, got_qk = map(np.asarray, chunk_module._diagonal_block_any_gate(f32(q), f32(k), f32(log_decay), f32(G),
-                                                                           opts))
-    # (the kernel keeps the strict / full lower triangles of the two, as here)
-    np.testing.assert_allclose(np.tril(got_kk, -1), want_kk, rtol=1e-5, atol=1e-5)  # fp32 sums of 32 O(1) terms
-    np.testing.assert_allclose(np.tril(got_qk), want_qk, rtol=1e-5, atol=1e-5)
+    got = chunk_module._diagonal_block_any_gate(*map(_f32, (q, k, log_decay, G)), _BLOCK_OPTS)
+    _assert_pairwise_blocks(got, q, k, log_decay, keep_lower=True)
 
 
 def test_chunk_strongly_coupled_sub_chunks_match_naive():
