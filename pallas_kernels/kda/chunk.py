@@ -4,9 +4,9 @@ Three launches (spec 1.7), all reading the packed ``[T, ...]`` inputs in place (
 
 1. ``_diagonal_kernel``, grid ``(NC, 4, HV)``, one 16-token sub-chunk per program: the diagonal blocks of
    ``A_kk``/``A_qk``, through the sub-chunk midpoint where the exponent span is bounded (always under the
-   lower-bound gate; per block otherwise), else through dyadic reference rows, and the inverse of each unit-lower ``I + A_kk`` block (a
-   product of four factors). It also writes the sub-chunk cumsum of the log-decays (fp32 ``[T, HV, K]``, gate
-   applied), so that the gate and the cumsum are computed once.
+   lower-bound gate; per block with ``adaptive_diagonal``), else through dyadic reference rows, and the inverse
+   of each unit-lower ``I + A_kk`` block (a product of four factors). It also writes the sub-chunk cumsum of the
+   log-decays (fp32 ``[T, HV, K]``, gate applied), so that the gate and the cumsum are computed once.
 2. ``_intra_kernel``, grid ``(NC, HV)``, one 64-token chunk of one value head per program: optional q/k L2
    norm, in-chunk cumsum ``G`` from the diagonal launch's sub-chunk cumsums, then the off-diagonal blocks of
    ``A_kk``/``A_qk`` by 16-token sub-chunks (they factor through the sub-chunk start, so every exponent is
@@ -204,9 +204,9 @@ def _unit_lower_inverse(a):
 def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, t_ref,
                      qk_ref, glocal_ref, *, opts: _Options):
     """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the midpoint form where the
-    lower-bound gate or the block's own span allows it, else the dyadic form), ready for the intra kernel:
-    ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in the dot dtype), from
-    a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
+    lower-bound gate or, with ``adaptive_diagonal``, the block's own span allows it, else the dyadic form), ready
+    for the intra kernel: ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]``
+    in the dot dtype), from a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
     16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as zeros; a
     sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores zeros, since
     the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The sub-chunk

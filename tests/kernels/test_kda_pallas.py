@@ -78,8 +78,7 @@ def test_chunk_adaptive_diagonal_softplus_varlen_matches_reference():
                   checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
                   dt_bias=x["dt_bias"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    from pallas_kernels.kda.chunk import chunk_kda_pallas
-    ours = jax.jit(lambda *a: chunk_kda_pallas(*a, adaptive_diagonal=True, **kwargs))(*args)
+    ours = jax.jit(lambda *a: chunk_module.chunk_kda_pallas(*a, adaptive_diagonal=True, **kwargs))(*args)
     ref = chunk_kda(*args, impl="reference", **kwargs)
     for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
         assert_close(a, b, FP32_TOL, name)
