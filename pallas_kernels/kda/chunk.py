@@ -205,14 +205,14 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
                      qk_ref, glocal_ref, *, opts: _Options):
     """Program (chunk, sub-chunk, value head): the sub-chunk's diagonal blocks (the midpoint form where the
     lower-bound gate or, with ``adaptive_diagonal``, the block's own span allows it, else the dyadic form), ready
-    for the intra kernel: ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]``
-    in the dot dtype), from a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here takes six chained
-    16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence load as zeros; a
-    sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores zeros, since
-    the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The sub-chunk
-    cumsum of the log-decays goes to ``glocal_ref [T, HV, K]`` (valid rows only) for the intra kernel, which then
-    applies neither the gate nor the cumsum (session 23, H32 T8K: intra 366.5 us against 477.4, this launch
-    +30 us). The q / k L2 norm is still computed in both launches: writing it out once would cost about as
+    for the intra kernel: ``t = (I + tril_strict(beta k k^T * D))^-1`` and ``tril(q k^T * D)`` (``[SUB, SUB]`` in
+    the dot dtype), from a cumsum local to the sub-chunk (only differences of ``G`` enter ``D``). Inverting here
+    takes six chained 16 x 16 products per sub-chunk out of the 255-register intra kernel. Rows past the sequence
+    load as zeros; a sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores
+    zeros, since the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The
+    sub-chunk cumsum of the log-decays goes to ``glocal_ref [T, HV, K]`` (valid rows only) for the intra kernel,
+    which then applies neither the gate nor the cumsum (session 23, H32 T8K: intra 366.5 us against 477.4, this
+    launch +30 us). The q / k L2 norm is still computed in both launches: writing it out once would cost about as
     much as it saves, by instruction count (not timed)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
