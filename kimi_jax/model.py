@@ -14,7 +14,7 @@ from flax import nnx
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers.common import F32, constant, normal, rms_norm
-from kimi_jax.layers.ffn import DenseMLPStack, MoEStack, dense_mlp, moe
+from kimi_jax.layers.ffn import DenseMLPStack, MoEStack, dense_mlp, moe, serving_byte_order, use_byte_order
 from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
 from kimi_jax.step import HybridCache, StepInputs, token_layout
@@ -156,3 +156,16 @@ def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> fp32 logits [..., vocab]."""
     w = model.embed[...].T if model.config.tie_word_embeddings else model.lm_head[...]
     return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=F32)
+
+
+def use_serving_byte_order(model: KimiModel, order: str, *, fast_kernels: bool) -> str:
+    """Re-lay the routed MXFP4 experts in place into the byte order they are served in and return it.
+
+    ``order``: "checkpoint" (unchanged), "pairs", "words", or "auto" (the word order when ``fast_kernels``, i.e.
+    Pallas on a GPU, and every expert input width allows it; else pair halves; else the checkpoint order). A model
+    without MXFP4 experts, or already in that order, is left as it is."""
+    stack = getattr(model, "moe", None)
+    order = serving_byte_order(stack, order, fast_kernels)
+    if order != "checkpoint" and getattr(stack, f"w1_{order}", None) is None:
+        use_byte_order(stack, order)
+    return order

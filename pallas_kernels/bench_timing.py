@@ -1,5 +1,5 @@
 """Timing and profiler-trace helpers shared by the benchmarks (the kernel benches and
-``serve.engine.trace_summary``; GPU runs, not the library)."""
+``serve.bench.trace_summary``; GPU runs, not the library)."""
 
 from __future__ import annotations
 

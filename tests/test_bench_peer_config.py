@@ -1,4 +1,4 @@
-"""The transformers peer's config (serve/engine/bench_peer.py) speaks transformers' native KimiLinear schema:
+"""The transformers peer's config (serve/bench/peer.py) speaks transformers' native KimiLinear schema:
 built from the golden tiny checkpoint's own config, it reproduces that config.json's fields (the file was
 written by transformers itself), so the peer benchmark runs the same model shape as ours."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kimi_jax.config import ModelConfig
-from serve.engine.bench_peer import hf_config_dict
+from serve.bench.peer import hf_config_dict
 
 GOLDEN = Path(__file__).parent / "data" / "kimi_linear_tiny"
 

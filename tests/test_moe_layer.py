@@ -12,7 +12,6 @@ from flax import nnx
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers import ffn
 from kimi_jax.layers.ffn import MoEStack, moe
-from kimi_jax.quant import mxfp4
 
 BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kda"), mlp_types=("dense", "moe"),
             num_experts=16, num_experts_per_token=4, moe_intermediate_size=32, num_shared_experts=1,

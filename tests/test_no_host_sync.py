@@ -5,7 +5,6 @@ when the device is done; conditionals do not). ``jnp.searchsorted``'s default me
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from kimi_jax.step import StepInputs, dense_step, token_layout

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,10 +12,10 @@ from safetensors.numpy import load_file, save_file
 
 import kimi_jax
 from kimi_jax.model import KimiModel
-from kimi_jax.quant import mxfp4
 from kimi_jax.weights.loader import load_into, param_leaves
 from kimi_jax.weights.snapshot import restore_snapshot, save_snapshot
 from kimi_jax.weights.writer import save_checkpoint
+from pallas_kernels.mxfp4 import quant as mxfp4
 
 from .test_model_incremental import K3
 

@@ -19,15 +19,25 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import (F32, constant, draw_in_chunks, fan_in_normal, glu, rms_norm, split_columns,
-                                    stacked_linear, stacked_linear_unsummed, stacked_linears)
-from kimi_jax.quant import mxfp4
+from kimi_jax.layers.common import (
+    F32,
+    constant,
+    draw_in_chunks,
+    fan_in_normal,
+    glu,
+    rms_norm,
+    split_columns,
+    stacked_linear,
+    stacked_linear_unsummed,
+    stacked_linears,
+)
 from pallas_kernels import mxfp4 as gemm_ops
-from pallas_kernels.mxfp4 import kernel as gemm_kernel
-from pallas_kernels.mxfp4.decode_mgpu import prepare_weights as prepare_mxfp4_mgpu
-from pallas_kernels.mxfp4.decode_mgpu import restore_weights as restore_mxfp4_mgpu
 from pallas_kernels import router as router_ops
 from pallas_kernels.impl import resolve_impl
+from pallas_kernels.mxfp4 import kernel as gemm_kernel
+from pallas_kernels.mxfp4 import quant as mxfp4
+from pallas_kernels.mxfp4.decode_mgpu import prepare_weights as prepare_mxfp4_mgpu
+from pallas_kernels.mxfp4.decode_mgpu import restore_weights as restore_mxfp4_mgpu
 from pallas_kernels.rmsnorm import PartialSum, total
 
 E2M1_RMS = 2.93  # RMS of a uniformly random E2M1 code's value, for random MXFP4 init
@@ -128,7 +138,7 @@ def _relayout_experts(p: MoEStack, caller: str, convert) -> None:
 
 REORDERS = {"pairs": (mxfp4.to_pair_halves, 2 * mxfp4.BLOCK), "words": (mxfp4.to_word_order, 4 * mxfp4.BLOCK)}
 """In-place byte orders of MXFP4 experts -> (converter from the checkpoint order, the input width it must
-divide): the pair-halves order and the word order (:mod:`kimi_jax.quant.mxfp4`)."""
+divide): the pair-halves order and the word order (:mod:`pallas_kernels.mxfp4.quant`)."""
 
 
 def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool) -> str:

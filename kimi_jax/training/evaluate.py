@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import numpy as np
+
+from kimi_jax.training.report import update_report
 
 SAMPLE_PROMPTS = ("def ", "import ", '"""Return the', "class ", "    def __init__(self", "for i in range(")
 
@@ -85,20 +86,6 @@ def main(argv=None) -> None:
     print(json.dumps(found, indent=1))
     if args.update_report:
         update_report(args.checkpoint, found)
-
-
-def update_report(folder: str, found: dict) -> None:
-    """Merge ``found`` into ``folder/training.json`` and rewrite ``folder/TRAINING.md``."""
-    from kimi_jax.training.train_tiny import training_markdown
-
-    path = os.path.join(folder, "training.json")
-    with open(path) as f:
-        result = json.load(f)
-    result.update(found)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(folder, "TRAINING.md"), "w") as f:
-        f.write(training_markdown(result))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Routed-expert stacks are stored ``[L, E, in, out]`` in the model; MXFP4 keeps the checkpoint layout
 ``packed [L, E, out, in/2]`` + E8M0 ``scales [L, E, out, in/32]`` (``MoEStack.w*_packed / w*_scale``), so each
-stack is transposed and quantised with :func:`kimi_jax.quant.mxfp4.quantize` (round to nearest, ties to even,
+stack is transposed and quantised with :func:`pallas_kernels.mxfp4.quant.quantize` (round to nearest, ties to even,
 one power-of-two scale per 32 inputs). Every other parameter is cast to the export dtype (fp32 islands stay fp32).
 """
 
@@ -14,9 +14,9 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.model import KimiModel
-from kimi_jax.quant import mxfp4
 from kimi_jax.training.objective import EXPERT_WEIGHTS
 from kimi_jax.weights.writer import save_checkpoint
+from pallas_kernels.mxfp4 import quant as mxfp4
 
 
 def _flat(model: KimiModel) -> dict[tuple, jax.Array]:

@@ -19,8 +19,8 @@ from flax import nnx
 from safetensors import safe_open
 
 from kimi_jax.model import KimiModel
-from kimi_jax.quant import mxfp4
 from kimi_jax.weights.names import Slot, slot_for
+from pallas_kernels.mxfp4 import quant as mxfp4
 
 Reader = Callable[[], np.ndarray]
 

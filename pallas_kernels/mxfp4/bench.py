@@ -9,8 +9,8 @@ Rows per step: T tokens x top-16 routing over 896 experts, counted on E local ex
 so ``M ~= T * 16 * E / 896``. Roofline bytes = packed + scale bytes of the experts that received a row.
 Measures the copy bandwidth and the bf16 matmul rate in the same process. Each case times a short tiling sweep
 per format (``SWEEPS``) plus ``tile_config``'s default, and the same tilings on the pair-halves byte order
-(``mxfp4_pairs``, :func:`kimi_jax.quant.mxfp4.to_pair_halves`; its inline-PTX decode, and ``mxfp4_pairs_jnp``
-with the jnp decode) and the word order (``mxfp4_words``, :func:`kimi_jax.quant.mxfp4.to_word_order`, with narrow
+(``mxfp4_pairs``, :func:`pallas_kernels.mxfp4.quant.to_pair_halves`; its inline-PTX decode, and ``mxfp4_pairs_jnp``
+with the jnp decode) and the word order (``mxfp4_words``, :func:`pallas_kernels.mxfp4.quant.to_word_order`, with narrow
 scales where they are; x-as-A tilings only); past ``BENCH_DEADLINE_S`` only the defaults. Then
 Kimi-Linear's per-row expert GEMMs at batch-1 decode (pipeline depth). The JSON is rewritten after every case.
 """
@@ -25,12 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.quant.mxfp4 import to_pair_halves, to_word_order
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us, timed
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights
-from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas, scales_are_narrow
+from pallas_kernels.mxfp4.kernel import (
+    grouped_gemm_concat_pallas,
+    grouped_gemm_pallas,
+    scales_are_narrow,
+)
 from pallas_kernels.mxfp4.ops import tile_config
-from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_grouped_matmul_reference
+from pallas_kernels.mxfp4.quant import to_pair_halves, to_word_order
+from pallas_kernels.mxfp4.reference import (
+    grouped_matmul_reference,
+    mxfp4_grouped_matmul_reference,
+)
 
 TOTAL_EXPERTS, TOP_K, LATENT, WIDTH = 896, 16, 3584, 3072
 REPS = 8
@@ -265,7 +272,7 @@ def best(d):
 
 def dense_case(rng):
     """Dense W4A16 at the spec's probe shape (M=64, K=7168, N=2048) vs bf16 weights and XLA dequant+dot."""
-    from kimi_jax.quant.mxfp4 import dequantize
+    from pallas_kernels.mxfp4.quant import dequantize
     m, k, n = 64, 7168, 2048
     xs = random_bf16(rng, (REPS, m, k))
     packed, scales = random_mxfp4(rng, 1, n, k)

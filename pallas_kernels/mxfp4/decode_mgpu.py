@@ -4,7 +4,7 @@ Why: the Triton kernel streams K3's experts at about 28% of copy bandwidth at de
 session 12). It decodes a ``[block_n, block_k]`` tile in registers and then hands it to the MMA, which in
 Triton means a round trip through shared memory into the MMA's operand layout: two bytes written and read per
 weight against half a byte fetched from HBM. Here, as in Marlin, the decoded weights are the ``wgmma``'s
-register A operand directly: the pair-halves bytes (:func:`kimi_jax.quant.mxfp4.to_pair_halves`) are loaded
+register A operand directly: the pair-halves bytes (:func:`pallas_kernels.mxfp4.quant.to_pair_halves`) are loaded
 from shared memory in the layout whose upcast to 16 bits is the ``wgmma`` A layout, so a byte's low nibble
 (column j of one MX block) and high nibble (column j of the next) land where the two K=32 products need them.
 
@@ -38,10 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kimi_jax.quant.mxfp4 import from_pair_halves, to_pair_halves
 from pallas_kernels.impl import on_gpu
 from pallas_kernels.mgpu_smem import wgmma_operand_transforms
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
+from pallas_kernels.mxfp4.quant import from_pair_halves, to_pair_halves
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
 ROWS_N = 64  # output columns per CTA: one warpgroup's wgmma M

@@ -11,7 +11,7 @@ prefetch). The K loop streams ``block_k`` columns of the weights per step; MXFP4
 * the E8M0 scale ``2**(s - 127)`` is the bf16 with exponent field ``s`` and multiplies the decoded tile; the
   product is exact (IEEE, results outside bf16's normal range follow denormal / overflow rules).
 
-``weight_format="mxfp4_pairs"`` reads the pair-halves byte order (:func:`kimi_jax.quant.mxfp4.to_pair_halves`):
+``weight_format="mxfp4_pairs"`` reads the pair-halves byte order (:func:`pallas_kernels.mxfp4.quant.to_pair_halves`):
 per 64 columns, 32 bytes whose low nibbles are one MX block and high nibbles the next. Each block is then
 decoded from one nibble of a ``[block_n, 32]`` byte tile (no interleave of low and high nibbles, no ``[bn, bk]``
 broadcast of the scales), scaled by its block's E8M0 scale in the decode, and multiplied by ``x``'s 32 matching
@@ -26,7 +26,7 @@ decode (``weight_format="mxfp4_pairs_jnp"``, and the interpret-mode path). Scali
 block's fp32 ``[block_n, block_m]`` product drops a multiply and an add per product element (two per pair of
 weights at 16-row tiles; session 16 SASS count).
 
-``weight_format="mxfp4_words"`` reads the word order (:func:`kimi_jax.quant.mxfp4.to_word_order`): the same
+``weight_format="mxfp4_words"`` reads the word order (:func:`pallas_kernels.mxfp4.quant.to_word_order`): the same
 ``[block_n, 32]`` byte tile per pair of blocks, but each 4-byte word holds 4 columns of both blocks at bits chosen so
 that 1-5 shifts and masks per bf16 pair place sign and magnitude (:func:`_word_ptx`: 17 PTX instructions per 8
 weights with narrow scales, against 29 for session 17's Marlin-style nibble order), and the scales come as uint32
@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi_jax.quant import mxfp4
 from pallas_kernels.impl import interpret_mode
+from pallas_kernels.mxfp4 import quant as mxfp4
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
@@ -76,7 +76,7 @@ _HIGH_NIBBLES_PTX = _nibble_ptx(0xF0, 2, 8)  # magnitude bits 6..4 -> 8..6, sign
 
 
 def _word_ptx(block: int, narrow_scales: bool) -> str:
-    """PTX for one block of a word-order word ($2; :data:`kimi_jax.quant.mxfp4.WORD_POSITIONS`) and its scale as a
+    """PTX for one block of a word-order word ($2; :data:`pallas_kernels.mxfp4.quant.WORD_POSITIONS`) and its scale as a
     bf16 pair ($3, :func:`_scale_pair`) -> two bf16 pairs ($0: columns c, c + 1; $1: c + 2, c + 3) of scaled
     weights. Shifts and masks place each weight's 3 magnitude bits at bf16 bits 8..6 and its sign at 15, which reads
     as ``E2M1 * 2**-126`` (code 1 a bf16 subnormal): 1 / 2 instructions per pair of the first block, 5 of the second.
@@ -282,7 +282,7 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``
     (``"mxfp4_pairs"`` / ``"mxfp4_pairs_jnp"``: ``packed`` in the pair-halves byte order, ``block_k`` a multiple
     of 64; the two differ only in the decode's code; ``"mxfp4_words"``: ``packed`` in the word order of
-    :func:`kimi_jax.quant.mxfp4.to_word_order`, ``block_k`` a multiple of 128);
+    :func:`pallas_kernels.mxfp4.quant.to_word_order`, ``block_k`` a multiple of 128);
     group ``e`` of ``group_sizes [E]`` uses weight row ``expert_offset + e`` (an int32 scalar, traced: so the
     experts of every layer can be passed as one ``[L*E, ...]`` bitcast of the stacked parameter, since a slice
     ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every

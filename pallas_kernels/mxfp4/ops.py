@@ -8,11 +8,19 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.quant.mxfp4 import FROM_BYTE_ORDER, dequantize
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, restore_weights
-from pallas_kernels.mxfp4.kernel import PAIRS_FORMATS, SHARED_EXPERT, grouped_gemm_concat_pallas
-from pallas_kernels.mxfp4.reference import grouped_matmul_reference, mxfp4_matmul_reference, rows_matmul_reference
+from pallas_kernels.mxfp4.kernel import (
+    PAIRS_FORMATS,
+    SHARED_EXPERT,
+    grouped_gemm_concat_pallas,
+)
+from pallas_kernels.mxfp4.quant import FROM_BYTE_ORDER, dequantize
+from pallas_kernels.mxfp4.reference import (
+    grouped_matmul_reference,
+    mxfp4_matmul_reference,
+    rows_matmul_reference,
+)
 
 
 def _fit(tile: int, dim: int) -> int:
@@ -114,8 +122,8 @@ def mxfp4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, gro
 
 BYTE_ORDERS = {"checkpoint": "mxfp4", "pairs": "mxfp4_pairs", "words": "mxfp4_words", "mgpu": "mgpu"}
 """Byte order of packed MXFP4 weights -> the grouped kernel's ``weight_format``: the compressed-tensors order,
-the pair-halves order of :func:`kimi_jax.quant.mxfp4.to_pair_halves`, the word order of
-:func:`kimi_jax.quant.mxfp4.to_word_order`, or the Mosaic-GPU decode kernel's layout
+the pair-halves order of :func:`pallas_kernels.mxfp4.quant.to_pair_halves`, the word order of
+:func:`pallas_kernels.mxfp4.quant.to_word_order`, or the Mosaic-GPU decode kernel's layout
 (:func:`pallas_kernels.mxfp4.decode_mgpu.prepare_weights`: ``packed [E, K/64, N, 32]``, ``scales [E, K/32,
 N]``)."""
 

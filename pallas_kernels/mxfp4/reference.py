@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.quant.mxfp4 import dequantize
+from pallas_kernels.mxfp4.quant import dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -39,7 +39,7 @@ class EngineConfig:
                                limit minus what is in use after the weights, minus activation_reserve_bytes)
     token_buckets / seq_buckets / page_buckets   precompiled T / N / P sizes (``buckets.default_buckets``)
     mxfp4_byte_order           MXFP4 expert bytes as served: "checkpoint", "pairs" or "words" (re-laid in place
-                               at start, one layer at a time: ``kimi_jax.layers.ffn.use_byte_order``), or "auto"
+                               at start, one layer at a time: ``kimi_jax.model.use_serving_byte_order``), or "auto"
                                (words when the Pallas kernels run on a GPU and the input widths are multiples of
                                128, else pairs where they are of 64: grouped GEMMs 1.6-1.9x / 1.3-1.5x faster than
                                the checkpoint order's on the H200)

@@ -43,8 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax.api import KimiLM
-from kimi_jax.layers.ffn import serving_byte_order, use_byte_order
-from kimi_jax.model import KimiModel, compute_logits, forward
+from kimi_jax.model import KimiModel, compute_logits, forward, use_serving_byte_order
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
 from pallas_kernels.impl import resolve_impl
@@ -215,10 +214,8 @@ class ModelRunner:
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
-        order, moe_stack = self.config.mxfp4_byte_order, getattr(model, "moe", None)
-        order = serving_byte_order(moe_stack, order, self.on_gpu and resolve_impl(impl) == "pallas")
-        if order != "checkpoint" and getattr(moe_stack, f"w1_{order}", None) is None:
-            use_byte_order(moe_stack, order)  # in place: the kernel's faster byte order (EngineConfig.mxfp4_byte_order)
+        use_serving_byte_order(model, self.config.mxfp4_byte_order,
+                               fast_kernels=self.on_gpu and resolve_impl(impl) == "pallas")
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         specs = param_specs(model, MeshShape.of(self.mesh))
         graphdef, state = nnx.split(model)

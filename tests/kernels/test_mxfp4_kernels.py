@@ -18,13 +18,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax.quant.mxfp4 import (E2M1_VALUES, WORD_POSITIONS, dequantize, from_pair_halves, from_word_order,
-                                  to_pair_halves, to_word_order, unpack_codes, word_order_codes)
-from pallas_kernels.mxfp4 import (SHARED_EXPERT, grouped_matmul, grouped_matmul_concat, grouped_matmul_reference,
-                                  mxfp4_grouped_matmul, mxfp4_grouped_matmul_concat, mxfp4_grouped_matmul_reference,
-                                  mxfp4_matmul, mxfp4_matmul_reference)
+from pallas_kernels.mxfp4 import (
+    SHARED_EXPERT,
+    grouped_matmul,
+    grouped_matmul_concat,
+    grouped_matmul_reference,
+    mxfp4_grouped_matmul,
+    mxfp4_grouped_matmul_concat,
+    mxfp4_grouped_matmul_reference,
+    mxfp4_matmul,
+    mxfp4_matmul_reference,
+)
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
-from pallas_kernels.mxfp4.kernel import grouped_gemm_concat_pallas, grouped_gemm_pallas, scales_are_narrow
+from pallas_kernels.mxfp4.kernel import (
+    grouped_gemm_concat_pallas,
+    grouped_gemm_pallas,
+    scales_are_narrow,
+)
+from pallas_kernels.mxfp4.quant import (
+    E2M1_VALUES,
+    WORD_POSITIONS,
+    dequantize,
+    from_pair_halves,
+    from_word_order,
+    to_pair_halves,
+    to_word_order,
+    unpack_codes,
+    word_order_codes,
+)
 from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
@@ -597,7 +618,11 @@ def test_inline_ptx_assembles_for_hopper(tmp_path):
     """The decodes' asm, in the operand form Triton gives it (two b32 outputs; pair halves: three b32 inputs,
     word order: one packed word and four copies of its scale's bf16 pair), compiles for sm_90 with nvcc + ptxas:
     syntax, operand kinds and the availability on Hopper of the bf16x2 multiply and the u16x2 max."""
-    from pallas_kernels.mxfp4.kernel import _HIGH_NIBBLES_PTX, _LOW_NIBBLES_PTX, _word_ptx
+    from pallas_kernels.mxfp4.kernel import (
+        _HIGH_NIBBLES_PTX,
+        _LOW_NIBBLES_PTX,
+        _word_ptx,
+    )
 
     asm = lambda i, ptx, inputs: (f'  asm volatile("{ptx.replace("$", "%")}" : "=r"(out[{2 * i}]), '  # noqa: E731
                                   f'"=r"(out[{2 * i + 1}]) : {inputs});')

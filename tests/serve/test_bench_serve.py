@@ -15,7 +15,8 @@ from serve.bench.datasets import random_requests, shared_prefix_requests
 from serve.bench.serve_bench import arrival_delays
 from serve.bench.stats import format_report, summarize
 from serve.openai import ServerConfig, build_app
-from serve.openai.testing import FakeAsyncEngine, serve_in_thread
+from serve.openai.background import serve_in_thread
+from tests.serve.fake_engine import FakeAsyncEngine
 
 API_KEY = "bench-key"
 

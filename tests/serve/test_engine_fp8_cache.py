@@ -15,8 +15,15 @@ from serve.engine import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.outputs import SampledTokens
 from serve.engine.runner import ModelRunner
-from tests.serve.test_engine_runner import BLOCK, PROMPTS, RUNNER_CONFIG, add_all, assert_pools_free, run, shared_lm
-
+from tests.serve.test_engine_runner import (
+    BLOCK,
+    PROMPTS,
+    RUNNER_CONFIG,
+    add_all,
+    assert_pools_free,
+    run,
+    shared_lm,
+)
 
 WARM_UP_PROGRESS: list[tuple[int, int]] = []
 

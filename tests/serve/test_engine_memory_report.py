@@ -6,7 +6,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
+from serve.engine.memory_report import (
+    GIB,
+    check_step_memory,
+    large_buffers,
+    step_temp_bytes,
+)
 
 
 def test_large_buffers_finds_the_big_results_of_a_compiled_module():

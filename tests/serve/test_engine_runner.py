@@ -25,9 +25,9 @@ from flax import nnx
 from kimi_jax.api import KimiLM
 from kimi_jax.config import ModelConfig
 from kimi_jax.model import KimiModel
+from serve.bench.hit_rates import multi_turn_chat, shared_system_prompt
 from serve.engine import EngineConfig, SamplingParams
 from serve.engine.engine import LLMEngine
-from serve.engine.hit_rates import multi_turn_chat, shared_system_prompt
 from serve.engine.outputs import SampledTokens
 from serve.engine.runner import ModelRunner, backend_compile_count
 from serve.engine.scheduler import ScheduledSequence
@@ -431,7 +431,7 @@ def test_mxfp4_experts_are_served_in_the_configured_byte_order():
     """EngineConfig.mxfp4_byte_order: "pairs" / "words" re-lay the MXFP4 experts in place, so the runner's
     parameters are the pair-halves / word-order bytes of the checkpoint's; "auto" keeps the checkpoint order off
     the GPU; a bad value is a ValueError naming the field."""
-    from kimi_jax.quant.mxfp4 import to_pair_halves, to_word_order
+    from pallas_kernels.mxfp4.quant import to_pair_halves, to_word_order
 
     cfg = SMALL.replace(experts_mxfp4=True, moe_intermediate_size=128, latent_dim=128)
     for order, convert in (("auto", None), ("pairs", to_pair_halves), ("words", to_word_order)):

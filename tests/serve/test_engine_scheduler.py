@@ -15,8 +15,15 @@ import random
 import numpy as np
 import pytest
 
-from serve.engine import (CacheConfig, Request, RequestStatus, SampledTokens, SamplingParams, Scheduler,
-                          SchedulerConfig)
+from serve.engine import (
+    CacheConfig,
+    Request,
+    RequestStatus,
+    SampledTokens,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
 
 POISON = -7
 MOD = (1 << 61) - 1

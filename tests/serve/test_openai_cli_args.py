@@ -10,7 +10,8 @@ import pytest
 from kimi_jax.tokenizer import load_tokenizer
 from serve.cli import engine_args_from_cli
 from serve.openai import add_serve_args, build_server, server_config_from_args
-from serve.openai.testing import FakeAsyncEngine, free_port
+from serve.openai.background import free_port
+from tests.serve.fake_engine import FakeAsyncEngine
 
 
 def parse(*argv):

@@ -6,7 +6,8 @@ import pytest
 
 from kimi_jax.tokenizer import load_tokenizer
 from serve.openai import ServerConfig, build_app
-from serve.openai.testing import FakeAsyncEngine, serve_in_thread
+from serve.openai.background import serve_in_thread
+from tests.serve.fake_engine import FakeAsyncEngine
 
 MODEL = "kimi-tiny"
 MAX_MODEL_LEN = 256

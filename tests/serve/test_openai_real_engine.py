@@ -15,8 +15,8 @@ from openai import OpenAI
 from serve.engine.async_engine import AsyncEngine
 from serve.engine.engine import LLMEngine
 from serve.openai.app import build_app
+from serve.openai.background import serve_in_thread
 from serve.openai.config import ServerConfig
-from serve.openai.testing import serve_in_thread
 
 
 @pytest.fixture(scope="module")

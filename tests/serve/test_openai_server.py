@@ -13,7 +13,8 @@ import pytest
 from kimi_jax.tokenizer import load_tokenizer
 from serve.chat import schema_error
 from serve.openai import ServerConfig, build_app
-from serve.openai.testing import FakeAsyncEngine, random_words_reply, serve_in_thread
+from serve.openai.background import serve_in_thread
+from tests.serve.fake_engine import FakeAsyncEngine, random_words_reply
 
 MODEL = "kimi-tiny"
 WEATHER_TOOL = {"type": "function", "function": {

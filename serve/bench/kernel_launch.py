@@ -13,7 +13,7 @@ under each option set (a child process per set with ``XLA_FLAGS=--xla_dump_to=..
 ``xla_dump_to`` wrote nothing on the H200 in session 13), which says whether our Pallas kernels get
 ``griddepcontrol.wait`` at all.
 
-    PYTHONPATH=. python3 pallas_kernels/launch_bench.py --links 32
+    PYTHONPATH=. python3 -m serve.bench.kernel_launch --links 32
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ of one of our presets' shapes, first N layers, on the GPU. Benchmark only (needs
 Decode tokens/s at batch B = B * (new - 1) / (time of generate(new) - time of generate(1)), greedy, prompts of
 ``--prompt-len`` random tokens, so that prefill is subtracted out.
 
-    PYTHONPATH=/tmp/site:. python3 -m serve.engine.bench_peer --preset kimi-linear-48b --layers 4 --batches 1 16 64
+    PYTHONPATH=/tmp/site:. python3 -m serve.bench.peer --preset kimi-linear-48b --layers 4 --batches 1 16 64
 """
 
 from __future__ import annotations

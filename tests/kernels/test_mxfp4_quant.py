@@ -1,10 +1,10 @@
-"""MXFP4 quantise / dequantise for the compressed-tensors and gpt-oss layouts (kimi_jax.quant.mxfp4)."""
+"""MXFP4 quantise / dequantise for the compressed-tensors and gpt-oss layouts (pallas_kernels.mxfp4.quant)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax.quant import mxfp4
+from pallas_kernels.mxfp4 import quant as mxfp4
 
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

@@ -1,4 +1,4 @@
-"""A scripted stand-in for the engine's `AsyncEngine`, and a loopback server, for tests of the HTTP layer.
+"""A scripted stand-in for the engine's `AsyncEngine`, for tests of the HTTP layer.
 
 `FakeAsyncEngine` follows the shared interface (generate / abort / stats / tokenizer / max_model_len) and the
 engine's stopping rules (EOS unless ignore_eos, stop strings, stop token ids, max_tokens, constraint end), but
@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import random
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-
-import uvicorn
+from collections.abc import Callable
 
 from kimi_jax.tokenizer import IncrementalDetokenizer
-from serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from serve.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+)
 from serve.engine.sampling_params import SamplingParams
 from serve.openai.constraints import allowed_ids
 
@@ -198,29 +198,3 @@ class FakeAsyncEngine:
             seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             seq.text += seq.detokenizer.flush()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve_in_thread(app, *, port: int | None = None) -> Iterator[str]:
-    """Run `app` with uvicorn on 127.0.0.1 in a daemon thread; yields the base URL (`http://127.0.0.1:PORT`)."""
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)

@@ -5,7 +5,7 @@
   answer, a new user message).
 Hit rate = prompt tokens served from the cache / prompt tokens looked up at admission (engine stats).
 
-    python -m serve.engine.hit_rates            # small random model on this machine's default backend
+    python -m serve.bench.hit_rates            # small random model on this machine's default backend
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ buffer reads its predicate on the host. This times, for a ~20 ms chain of matmul
 completion, plain and wrapped in lax.cond / lax.fori_loop (dynamic trip count) / lax.cond around a Pallas
 kernel. Prints one JSON line per case.
 
-    python3 -m serve.engine.bench_launch
+    python3 -m serve.bench.launch
 """
 
 from __future__ import annotations

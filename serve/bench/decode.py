@@ -8,7 +8,7 @@ the device (output processing), plus the
 roofline: bytes a decode step must read (active weights, KDA state read + write, MLA latents) over the copy
 bandwidth.
 
-    PYTHONPATH=. python3 -m serve.engine.bench_decode --preset kimi-linear-48b --layers 4 --impl reference
+    PYTHONPATH=. python3 -m serve.bench.decode --preset kimi-linear-48b --layers 4 --impl reference
 """
 
 from __future__ import annotations

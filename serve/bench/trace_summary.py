@@ -1,6 +1,6 @@
 """Device time per kernel from a ``jax.profiler`` trace (``*.trace.json.gz``), to see where a step goes.
 
-    python -m serve.engine.trace_summary OUT/trace_b64 [--top 25] [--steps 3]   (a folder or a .trace.json.gz)
+    python -m serve.bench.trace_summary OUT/trace_b64 [--top 25] [--steps 3]   (a folder or a .trace.json.gz)
 """
 
 from __future__ import annotations

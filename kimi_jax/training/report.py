@@ -1,0 +1,63 @@
+"""The shipped checkpoint's training report: ``training.json`` -> ``TRAINING.md``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+def training_markdown(r: dict) -> str:
+    c = r["corpus"]
+    lines = [
+        "# The shipped `tiny` checkpoint",
+        "",
+        "Kimi K3 architecture at toy size (KDA with the lower-bound gate, gated NoPE MLA, Block AttnRes, Stable "
+        "LatentMoE with SiTU, MXFP4 routed experts), trained by `kimi_jax/training/train_tiny.py`.",
+        "",
+        f"* Command run: `{r['command']}`",
+        f"* Reproduce (same schedule and data order): `{r['reproduce']}`",
+        f"* Device: {r['device']}; layout `{r['layout']}`, compute {r['compute_dtype']}, fp32 master weights, "
+        f"AdamW (lr {r['lr']}, warmup {r['warmup']}, cosine to {r['min_lr_ratio']}x, wd {r['weight_decay']}, "
+        f"clip {r['clip']}), seed {r['seed']}",
+        f"* Steps {r['steps']} x {r['batch']} x {r['seq_len']} tokens = {r['tokens_trained']:,} tokens trained; "
+        f"training {r['train_seconds']:.0f} s ({r['median_step_ms']:.0f} ms/step), whole run {r['wall_seconds']:.0f} s",
+        f"* Parameters: {r['params']['routed_experts']:,} in routed experts (MXFP4 in the checkpoint), "
+        f"{r['params']['other']:,} others ({r['export_dtype']})",
+        f"* Corpus: the Python {c['python']} standard library (`*.py` sources + their docstrings as prose), "
+        f"licence {c['license']}; {c['train_files']} train / {c['heldout_files']} held-out files (split by file), "
+        f"{c['train_tokens']:,} / {c['heldout_tokens']:,} tokens, fingerprint `{c['fingerprint']}`",
+        "",
+        f"Held-out loss in nats/token (uniform guessing: {math.log(r['vocab_size']):.2f}). \"First N\" = the first windows of "
+        "the held-out stream, whose files follow in sorted path order; \"spread\" = windows evenly spaced over "
+        "all held-out files:",
+        "",
+        "| model | loss |",
+        "|---|---|",
+        f"| trained, training forward ({r['compute_dtype']} compute, fp32 master weights), first "
+        f"{r['heldout_eval_tokens']:,} | {r['heldout_loss']:.4f} |",
+        f"| same with the routed experts MXFP4 round-tripped, first {r['heldout_eval_tokens']:,} "
+        f"| {r['heldout_loss_mxfp4']:.4f} |",
+    ]
+    for suffix, where in (("", "first"), ("_spread", "spread")):
+        if f"heldout_loss_serving{suffix}" in r:
+            lines.append(f"| shipped checkpoint through `kimi_jax.load` ({r['serving_dtype']} + MXFP4 experts, "
+                         f"serving forward on {r['serving_device']}), {where} "
+                         f"{r[f'heldout_serving_tokens{suffix}']:,} | {r[f'heldout_loss_serving{suffix}']:.4f} |")
+    if "samples" in r:
+        lines += ["", "Greedy samples (prompt, then the model's continuation):", ""]
+        for prompt, text in r["samples"].items():
+            lines += ["```", prompt + text, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def update_report(folder: str, found: dict) -> None:
+    """Merge ``found`` into ``folder/training.json`` and rewrite ``folder/TRAINING.md``."""
+    path = os.path.join(folder, "training.json")
+    with open(path) as f:
+        result = json.load(f)
+    result.update(found)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(folder, "TRAINING.md"), "w") as f:
+        f.write(training_markdown(result))
