@@ -14,8 +14,10 @@ __all__ = ["LLM", "KimiLM", "ModelConfig", "PRESETS", "SamplingParams", "get_pre
 
 
 def __getattr__(name: str):
-    """``kimi_jax.LLM`` / ``kimi_jax.SamplingParams``: the serving engine's offline API, imported on first use
-    (the engine lives in ``serve/``, above this package, so the import is lazy)."""
+    """``kimi_jax.LLM`` / ``kimi_jax.SamplingParams``: documented re-exports of the serving engine's offline API
+    (``serve.engine``, the layer above this package). The import runs when the attribute is first read, after
+    ``kimi_jax`` has finished importing, so it cannot form a cycle (``tests/test_import_layers.py`` allows exactly
+    these two)."""
     if name == "LLM":
         from serve.engine.llm import LLM
         return LLM

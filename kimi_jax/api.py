@@ -185,7 +185,7 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
     """Load a checkpoint folder (hub layout) or build a preset (random weights unless the package ships them).
 
     ``dtype`` is the parameter/activation dtype (fp32 islands stay fp32); ``progress(done, total)`` is called
-    after each stacked parameter is filled from the checkpoint (e.g. a :class:`kimi_jax.progress.ProgressBar`)."""
+    after each stacked parameter is filled from the checkpoint (e.g. a tqdm bar)."""
     from kimi_jax.weights.loader import load_into
 
     dt = _dtype(dtype)

@@ -23,7 +23,7 @@ def _add_generate(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     import kimi_jax
-    from kimi_jax.progress import ProgressBar
+    from serve.progress import ProgressBar
     from kimi_jax.tokenizer import load_tokenizer
 
     start = time.perf_counter()

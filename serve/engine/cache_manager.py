@@ -1,8 +1,9 @@
-"""CacheManager: the two cache pools (MLA pages, KDA state slots) and hybrid prefix caching, for the scheduler.
+"""CacheManager: the hybrid cache for the scheduler: MLA pages (``MLAPages``), KDA state slots (``KDASlots``)
+and, beside them, the prefix index (``PrefixCache``) with the checkpoint policy that ties the two together.
 
-Pages: ``block_size`` tokens of MLA latents in every MLA layer; block 0 is reserved and never handed out.
-Slots: one KDA recurrent + conv state in every KDA layer; slot 0 is reserved. A running request holds a
-block table and one live slot.
+A running request holds a block table of MLA pages and one live KDA slot. The scheduler grows running requests
+through ``pages`` (``can_allocate`` / ``allocate``); admission and release touch both pools and the index, so they
+are verbs of the manager (``can_admit`` / ``admit`` / ``free_request``).
 
 Prefix caching (``enable_prefix_caching``, on by default) shares full pages through chained hashes and
 restores KDA state from checkpoints (see ``prefix_cache.py``). Checkpoints are exported by the prefill pass
@@ -23,9 +24,10 @@ tail page into a fresh page (copy-on-write); both copies are queued for the runn
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from serve.engine.block_pool import RefCountedPool
+from serve.engine.kda_slots import KDASlots
+from serve.engine.mla_pages import MLAPages
 from serve.engine.prefix_cache import Checkpoint, PrefixCache, hash_page
 from serve.engine.request import Request
 
@@ -89,41 +91,33 @@ class PrefixCacheStats:
 
 
 class CacheManager:
+    """The two pools and the prefix index. ``pages`` and ``slots`` allocate; this class decides what is cached."""
+
     def __init__(self, config: CacheConfig):
         self.config = config
         self.block_size = config.block_size
-        self.blocks = RefCountedPool(config.num_blocks, "block")
-        self.slots = RefCountedPool(config.num_slots, "slot")
-        self.prefix = PrefixCache(config.block_size, self.blocks, self.slots, bytes_per_block=config.bytes_per_block,
+        blocks = RefCountedPool(config.num_blocks, "block")
+        slots = RefCountedPool(config.num_slots, "slot")
+        self.prefix = PrefixCache(config.block_size, blocks, slots, bytes_per_block=config.bytes_per_block,
                                   bytes_per_slot=config.bytes_per_slot, eviction_alpha=config.eviction_alpha)
+        self.pages = MLAPages(blocks, config.block_size, self.prefix)
+        self.slots = KDASlots(slots, self.prefix)
         self.enable_prefix_caching = config.enable_prefix_caching
         self.stats = PrefixCacheStats()
         self._registered_pages: dict[str, int] = {}
-        self._block_copies: list[tuple[int, int]] = []
-        self._slot_copies: list[tuple[int, int]] = []
-        self._step_block_pins: list[int] = []
-        self._step_slot_pins: list[int] = []
 
     # ---- capacity ----
-    @property
-    def block_usage(self) -> float:
-        return self.blocks.num_referenced / self.blocks.num_usable
-
-    @property
-    def slot_usage(self) -> float:
-        return self.slots.num_referenced / self.slots.num_usable
-
-    def pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
-
     def is_idle(self) -> bool:
-        """No block or slot is referenced (every request has ended); the cache may still hold entries."""
-        return self.blocks.num_referenced == 0 and self.slots.num_referenced == 0
+        """No page or slot is referenced (every request has ended); the cache may still hold entries."""
+        return self.pages.pool.num_referenced == 0 and self.slots.pool.num_referenced == 0
 
     def clear_prefix_cache(self) -> None:
         """Evict every unreferenced page and checkpoint."""
         while self.prefix.evict_checkpoint() or self.prefix.evict_page():
             pass
+
+    def checkpoint_count(self) -> int:
+        return len(self.prefix.checkpoints)
 
     # ---- lookup and admission ----
     def find_prefix(self, request: Request) -> PrefixHit:
@@ -155,50 +149,34 @@ class CacheManager:
 
     def can_admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Whether a live slot, the hit's entries and pages for ``num_new_tokens`` tokens fit (after evictions)."""
+        pool = self.pages.pool
         shared = hit.blocks + ([hit.checkpoint.tail_block] if self._needs_cow(hit) else [])
-        need_blocks = self.pages_for(hit.num_tokens + num_new_tokens) - len(hit.blocks)
-        need_blocks += sum(1 for b in shared if self.blocks.refs(b) == 0)
-        need_slots = 1 + (1 if hit.checkpoint is not None and self.slots.refs(hit.checkpoint.slot) == 0 else 0)
-        return self.blocks.num_available >= need_blocks and self.slots.num_available >= need_slots
+        need_pages = self.pages.pages_for(hit.num_tokens + num_new_tokens) - len(hit.blocks)
+        need_pages += sum(1 for b in shared if pool.refs(b) == 0)
+        need_slots = 1 + (1 if hit.checkpoint is not None and self.slots.pool.refs(hit.checkpoint.slot) == 0 else 0)
+        return self.pages.can_allocate(need_pages) and self.slots.can_allocate(need_slots)
 
     def admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> None:
         """Give a waiting request its live slot and pages, restoring the hit (queues the copies)."""
         assert not request.block_table and request.state_slot == 0, request
-        for block in hit.blocks:
-            self.blocks.ref(block)
         ckpt = hit.checkpoint
         if ckpt is not None:
-            self._pin_slot(ckpt.slot)
+            self.slots.pin(ckpt)  # before any allocation below, which may evict unreferenced checkpoints
             self.prefix.touch(ckpt)
             for node in self.prefix.match_pages(request.page_hashes[:len(hit.blocks)]):
                 self.prefix.touch(node)
-        request.block_table = list(hit.blocks)
+        self.pages.share(request, hit.blocks)
         if self._needs_cow(hit):
-            self._pin_block(ckpt.tail_block)
-            dst = self._allocate_block()
-            self._block_copies.append((ckpt.tail_block, dst))
-            request.block_table.append(dst)
-        request.state_slot = self._allocate_slot()
-        if ckpt is not None:
-            self._slot_copies.append((ckpt.slot, request.state_slot))
+            self.pages.copy_on_write(request, ckpt.tail_block)
+        self.slots.allocate(request, restore=ckpt)
         request.num_computed_tokens = hit.num_tokens
         self._registered_pages[request.request_id] = len(hit.blocks)
         if self.enable_prefix_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += hit.num_tokens
-        self.grow(request, num_new_tokens)
+        self.pages.allocate(request, num_new_tokens)
 
-    # ---- running requests ----
-    def can_grow(self, request: Request, num_new_tokens: int) -> bool:
-        need = self.pages_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
-        return self.blocks.num_available >= need
-
-    def grow(self, request: Request, num_new_tokens: int) -> None:
-        """Allocate the pages that positions up to ``num_computed_tokens + num_new_tokens`` need."""
-        need = self.pages_for(request.num_computed_tokens + num_new_tokens) - len(request.block_table)
-        for _ in range(need):
-            request.block_table.append(self._allocate_block())
-
+    # ---- checkpoints of running requests ----
     def checkpoint_positions(self, request: Request, start: int, num_new_tokens: int) -> tuple[list[int], int]:
         """Checkpoint positions in (start, start + n] that are not cached yet, and the possibly shortened n:
         a chunk holding more than ``max_checkpoints_per_seq`` positions stops at the last one kept."""
@@ -219,12 +197,6 @@ class CacheManager:
             num_new_tokens = kept[-1] - start
         return kept, num_new_tokens
 
-    def allocate_checkpoint_slot(self) -> int | None:
-        """A slot for a checkpoint export, evicting older checkpoints if needed; None when every slot is live."""
-        if self.slots.num_available == 0:
-            return None
-        return self._allocate_slot()
-
     def on_step_done(self, request: Request, checkpoints: list[tuple[int, int]]) -> None:
         """After a step advanced ``request.num_computed_tokens``: index its new full pages and its exported
         checkpoints ``(position, slot)`` (a checkpoint that already exists releases its slot)."""
@@ -233,12 +205,7 @@ class CacheManager:
         self._register_pages(request)
         for position, slot in checkpoints:
             self._register_checkpoint(request, position, slot)
-            self.slots.unref(slot)
-
-    def discard_checkpoint_slots(self, slots: list[int]) -> None:
-        """Release checkpoint slots of a request that ended while its step was in flight."""
-        for slot in slots:
-            self.slots.unref(slot)
+            self.slots.pool.unref(slot)
 
     def free_request(self, request: Request, *, retain_state: bool) -> None:
         """Release everything the request holds. With ``retain_state`` (finished or preempted, never aborted
@@ -246,36 +213,24 @@ class CacheManager:
         if self.enable_prefix_caching and retain_state and request.state_slot and request.num_computed_tokens:
             self._register_pages(request)
             self._register_checkpoint(request, request.num_computed_tokens, request.state_slot)
-        for block in request.block_table:
-            self._unref_block(block)
-        if request.state_slot:
-            self.slots.unref(request.state_slot)
-        request.block_table = []
-        request.state_slot = 0
+        self.pages.free(request)
+        self.slots.free(request)
         request.num_computed_tokens = 0
         self._registered_pages.pop(request.request_id, None)
 
     # ---- per-step queues ----
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(src_block, dst_block) and (src_slot, dst_slot) copies queued since the last call."""
-        copies = (self._block_copies, self._slot_copies)
-        self._block_copies, self._slot_copies = [], []
-        return copies
+        return self.pages.take_copies(), self.slots.take_copies()
 
     def take_freed(self) -> tuple[list[int], list[int]]:
         """Blocks and slots that returned to the free lists since the last call."""
-        return self.blocks.drain_freed(), self.slots.drain_freed()
+        return self.pages.pool.drain_freed(), self.slots.pool.drain_freed()
 
     def release_step_pins(self) -> None:
         """The step that copied from pinned sources has run: unpin them."""
-        for block in self._step_block_pins:
-            self._unref_block(block)
-        for slot in self._step_slot_pins:
-            self.slots.unref(slot)
-        self._step_block_pins, self._step_slot_pins = [], []
-
-    def checkpoint_count(self) -> int:
-        return len(self.prefix.checkpoints)
+        self.pages.release_pins()
+        self.slots.release_pins()
 
     # ---- internals ----
     def _needs_cow(self, hit: PrefixHit) -> bool:
@@ -308,9 +263,9 @@ class CacheManager:
                 parent = self.prefix.node_at(hashes, i)
                 node = self.prefix.insert_page(parent, hashes[i], block)
             elif node.block != block:
-                self.blocks.ref(node.block)
+                self.pages.pool.ref(node.block)
                 request.block_table[i] = node.block
-                self._unref_block(block)
+                self.pages.unref(block)
             self.prefix.touch(node)
         self._registered_pages[request.request_id] = max(done, full)
 
@@ -322,27 +277,3 @@ class CacheManager:
             return
         tail_block = request.block_table[depth] if tail else None
         self.prefix.add_checkpoint(node, tail, tail_block, slot, position)
-
-    def _allocate_block(self) -> int:
-        while self.blocks.num_free == 0:
-            if not (self.prefix.evict_page() or self.prefix.evict_checkpoint()):
-                raise RuntimeError("no block to allocate: check can_admit/can_grow first")
-        return self.blocks.allocate()
-
-    def _allocate_slot(self) -> int:
-        while self.slots.num_free == 0:
-            if not self.prefix.evict_checkpoint():
-                raise RuntimeError("no slot to allocate: check can_admit first")
-        return self.slots.allocate()
-
-    def _unref_block(self, block: int) -> None:
-        if self.blocks.unref(block):
-            self.prefix.block_unreferenced(block)
-
-    def _pin_block(self, block: int) -> None:
-        self.blocks.ref(block)
-        self._step_block_pins.append(block)
-
-    def _pin_slot(self, slot: int) -> None:
-        self.slots.ref(slot)
-        self._step_slot_pins.append(slot)

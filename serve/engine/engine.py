@@ -176,7 +176,7 @@ class LLMEngine:
         stderr for weight loading and warm-up compilation; ``engine_args``: EngineConfig fields.
         """
         from kimi_jax.api import load
-        from kimi_jax.progress import ProgressBar
+        from serve.progress import ProgressBar
 
         config = EngineConfig(**engine_args)
         if isinstance(model, str):

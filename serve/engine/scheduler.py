@@ -197,8 +197,8 @@ class Scheduler:
         cache = self.cache
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
-            cache_usage=max(cache.block_usage, cache.slot_usage), block_usage=cache.block_usage,
-            slot_usage=cache.slot_usage, prefix_cache_queries=cache.stats.queries,
+            cache_usage=max(cache.pages.usage, cache.slots.usage), block_usage=cache.pages.usage,
+            slot_usage=cache.slots.usage, prefix_cache_queries=cache.stats.queries,
             prefix_cache_hits=cache.stats.hits, num_checkpoints=cache.checkpoint_count(),
             num_preemptions=self.num_preemptions, prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens)
@@ -225,14 +225,14 @@ class Scheduler:
             if request.request_id not in chunks or request.status != RequestStatus.RUNNING:
                 continue
             n, positions = chunks[request.request_id]
-            while not self.cache.can_grow(request, n):
+            while not self.cache.pages.can_allocate(self.cache.pages.num_new_pages(request, n)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                self.cache.grow(request, n)
+                self.cache.pages.allocate(request, n)
                 scheduled.append((request, n, positions))
 
         if not preempted:
@@ -266,13 +266,12 @@ class Scheduler:
                 return None
             plan.append((request, row, position))
         grow = [position + 1 - request.num_computed_tokens for request, _, position in plan]
-        need = sum(self.cache.pages_for(request.num_computed_tokens + n) - len(request.block_table)
-                   for (request, _, _), n in zip(plan, grow))
-        if not plan or need > self.cache.blocks.num_available:
+        need = sum(self.cache.pages.num_new_pages(request, n) for (request, _, _), n in zip(plan, grow))
+        if not plan or not self.cache.pages.can_allocate(need):
             return None
         sequences = []
         for (request, row, position), n in zip(plan, grow):
-            self.cache.grow(request, n)
+            self.cache.pages.allocate(request, n)
             sequences.append(ScheduledSequence(
                 request=request, token_ids=[PENDING_TOKEN - row], context_len=position,
                 block_table=request.block_table, state_slot=request.state_slot, checkpoint_positions=[],
@@ -304,7 +303,7 @@ class Scheduler:
                 self.cache.free_request(request, retain_state=True)
                 continue
             if request.status != RequestStatus.RUNNING:
-                self.cache.discard_checkpoint_slots(seq.checkpoint_slots)
+                self.cache.slots.free_checkpoints(seq.checkpoint_slots)
                 continue
             request.num_computed_tokens += seq.num_tokens
             self.cache.on_step_done(request, list(zip(seq.checkpoint_positions, seq.checkpoint_slots)))
@@ -360,7 +359,7 @@ class Scheduler:
         start = request.num_computed_tokens
         slots = []
         for _ in positions:
-            slot = self.cache.allocate_checkpoint_slot()
+            slot = self.cache.slots.allocate_checkpoint()
             if slot is None:
                 break
             slots.append(slot)

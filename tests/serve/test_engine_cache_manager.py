@@ -26,7 +26,7 @@ def start(cm: CacheManager, r: Request, budget: int = 10**6):
     positions, n = cm.checkpoint_positions(r, hit.num_tokens, min(r.num_tokens - hit.num_tokens, budget))
     assert cm.can_admit(r, hit, n)
     cm.admit(r, hit, n)
-    return hit, positions, n, [cm.allocate_checkpoint_slot() for _ in positions]
+    return hit, positions, n, [cm.slots.allocate_checkpoint() for _ in positions]
 
 
 def finish_step(cm: CacheManager, r: Request, n: int, positions, slots):
@@ -40,8 +40,8 @@ def prefill(cm: CacheManager, r: Request, budget: int = 10**6):
     finish_step(cm, r, n, positions, slots)
     while r.num_computed_tokens < r.num_tokens:
         positions, n = cm.checkpoint_positions(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
-        cm.grow(r, n)
-        finish_step(cm, r, n, positions, [cm.allocate_checkpoint_slot() for _ in positions])
+        cm.pages.allocate(r, n)
+        finish_step(cm, r, n, positions, [cm.slots.allocate_checkpoint() for _ in positions])
     return hit
 
 
@@ -112,8 +112,8 @@ def test_interval_checkpoints_cap_the_chunk_and_serve_a_divergent_prompt():
     finish_step(cm, a, n, positions, slots)
     positions, n = cm.checkpoint_positions(a, 8, 6)
     assert positions == [12, 13] and n == 6
-    cm.grow(a, n)
-    finish_step(cm, a, n, positions, [cm.allocate_checkpoint_slot() for _ in positions])
+    cm.pages.allocate(a, n)
+    finish_step(cm, a, n, positions, [cm.slots.allocate_checkpoint() for _ in positions])
     assert positions_cached(cm) == [4, 8, 12, 13]
     cm.free_request(a, retain_state=False)
     assert cm.find_prefix(req("b", prompt[:10] + [1, 2, 3])).num_tokens == 8
@@ -132,9 +132,9 @@ def test_copy_on_write_of_a_shared_partial_page():
     assert block_copies == [(a.block_table[2], b.block_table[2])] and a.block_table[2] != b.block_table[2]
     assert b.block_table[:2] == a.block_table[:2]       # full pages are shared, not copied
     assert slot_copies == [(hit.checkpoint.slot, b.state_slot)]
-    assert cm.blocks.refs(a.block_table[2]) == 2        # a's reference + the pin for this step's copy
+    assert cm.pages.pool.refs(a.block_table[2]) == 2        # a's reference + the pin for this step's copy
     finish_step(cm, b, n, positions, slots)
-    assert cm.blocks.refs(a.block_table[2]) == 1 and cm.blocks.refs(a.block_table[0]) == 2
+    assert cm.pages.pool.refs(a.block_table[2]) == 1 and cm.pages.pool.refs(a.block_table[0]) == 2
 
 
 def test_concurrent_duplicates_are_merged_onto_indexed_pages():
@@ -146,7 +146,7 @@ def test_concurrent_duplicates_are_merged_onto_indexed_pages():
     finish_step(cm, a, sa[2], sa[1], sa[3])
     finish_step(cm, b, sb[2], sb[1], sb[3])
     assert a.block_table[:3] == b.block_table[:3] and a.block_table[3] != b.block_table[3]
-    assert cm.blocks.num_referenced == 5                # 3 shared + 2 private partial pages
+    assert cm.pages.pool.num_referenced == 5                # 3 shared + 2 private partial pages
     for r in (a, b):
         cm.free_request(r, retain_state=False)
     assert cm.is_idle()
@@ -158,7 +158,7 @@ def test_finished_state_becomes_a_checkpoint_for_the_next_turn():
     prefill(cm, a)
     a.append_output_token(1)
     for t in (2, 3):                                    # decode: feed the last sampled token, sample the next
-        cm.grow(a, 1)
+        cm.pages.allocate(a, 1)
         finish_step(cm, a, 1, [], [])
         a.append_output_token(t)
     assert a.num_computed_tokens == 8
@@ -178,7 +178,8 @@ def test_prefix_caching_disabled_never_shares():
     cm.free_request(a, retain_state=True)
     assert cm.find_prefix(req("b", prompt)).num_tokens == 0
     assert cm.checkpoint_count() == 0 and not cm.prefix.nodes
-    assert cm.blocks.num_free == cm.blocks.num_usable and cm.slots.num_free == cm.slots.num_usable
+    pages, slots = cm.pages.pool, cm.slots.pool
+    assert pages.num_free == pages.num_usable and slots.num_free == slots.num_usable
 
 
 def test_page_eviction_is_lru_among_unreferenced_leaves():
@@ -235,11 +236,11 @@ def test_admission_check_counts_unreferenced_hit_pages_and_slots():
     a = req("a", prompt)
     prefill(cm, a)
     cm.free_request(a, retain_state=False)
-    assert cm.blocks.num_available == 4 and cm.slots.num_available == 2
+    assert cm.pages.pool.num_available == 4 and cm.slots.pool.num_available == 2
     b = req("b", prompt + [1, 2, 3, 4, 5])
     hit = cm.find_prefix(b)
     assert hit.num_tokens == 11
     # 2 shared pages + the pinned tail page + its copy = 4 pages; one more token would need a 5th
     assert cm.can_admit(b, hit, 1) and not cm.can_admit(b, hit, 2)
     cm.admit(b, hit, 1)
-    assert cm.blocks.num_available == 0 and cm.slots.num_available == 0
+    assert cm.pages.pool.num_available == 0 and cm.slots.pool.num_available == 0

@@ -79,7 +79,8 @@ def assert_pools_free(engine: LLMEngine) -> None:
     cache = engine.scheduler.cache
     assert engine.is_idle()
     cache.clear_prefix_cache()
-    assert cache.blocks.num_free == cache.blocks.num_usable and cache.slots.num_free == cache.slots.num_usable
+    pages, slots = cache.pages.pool, cache.slots.pool
+    assert pages.num_free == pages.num_usable and slots.num_free == slots.num_usable
 
 
 def greedy(max_tokens=MAX_NEW, **kw) -> SamplingParams:

@@ -116,8 +116,8 @@ def assert_no_leak(sched: Scheduler):
     assert cache.is_idle()
     cache.clear_prefix_cache()
     assert cache.checkpoint_count() == 0 and not cache.prefix.nodes
-    assert cache.blocks.num_free == cache.blocks.num_usable
-    assert cache.slots.num_free == cache.slots.num_usable
+    assert cache.pages.pool.num_free == cache.pages.pool.num_usable
+    assert cache.slots.pool.num_free == cache.slots.pool.num_usable
 
 
 def make_scheduler(*, num_blocks=64, num_slots=12, block_size=4, max_num_seqs=8, max_batched=32,

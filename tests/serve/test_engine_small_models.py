@@ -46,4 +46,5 @@ def test_small_model_serves_like_the_reference(layer_types, impl):
     assert [got[str(i)] for i in range(len(prompts))] == want
     cache = engine.scheduler.cache
     cache.clear_prefix_cache()
-    assert cache.blocks.num_free == cache.blocks.num_usable and cache.slots.num_free == cache.slots.num_usable
+    pages, slots = cache.pages.pool, cache.slots.pool
+    assert pages.num_free == pages.num_usable and slots.num_free == slots.num_usable
