@@ -77,7 +77,7 @@ def _stack_index(layers: tuple[int, ...]) -> dict[int, int]:
 
 class _Mixer:
     """AttnRes depth mixing over ``blocks + [partial]`` (fp32 sources), by XLA's fusion of the reference under
-    every ``impl``: the Pallas mix measured 0.51-0.90x of it on the H200 (BENCHMARKS.md, sessions 2 and 24)."""
+    every ``impl``: the Pallas mix measured 0.51-0.90x of it on the H200 (BENCHMARKS.md, AttnRes)."""
 
     def __init__(self, eps: float):
         self.eps = eps

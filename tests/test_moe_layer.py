@@ -165,7 +165,7 @@ def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monke
 def test_big_random_parameters_are_drawn_one_matrix_at_a_time(monkeypatch):
     """Stacks above CHUNK_ELEMENTS are drawn per trailing matrix (bounded temporaries: drawing a K3 expert stack
     at once needed 237 GB). Compiled for the CPU backend only, never run (the GPU compiler's temporaries differ:
-    this failed on the H200 in session 11); skipped where no CPU backend is up (``JAX_PLATFORMS=cuda``)."""
+    this once failed on the H200); skipped where no CPU backend is up (``JAX_PLATFORMS=cuda``)."""
     import jax
 
     from kimi_jax.layers import common

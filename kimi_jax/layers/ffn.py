@@ -299,7 +299,7 @@ def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None
 
     The routed and shared outputs are summed here, by XLA in one kernel, even at decode: handing their 8 + 4
     rows to the add + RMSNorm kernel as a :class:`PartialSum` made that single-program kernel slower than XLA's
-    sum plus the plain kernel (H200, one row: 4.9 against 1.5 + 2.5 us; session 9)."""
+    sum plus the plain kernel (H200, one row: 4.9 against 1.5 + 2.5 us; BENCHMARKS.md, small kernels)."""
     weights, idx = router_ops.route(
         x, p.router[...], p.router_bias[...], k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
         scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=64,
                         help="tokens per MLA page (default: the engine's GPU default, 64); multiples of 64 let long "
-                             "decode steps take the Mosaic-GPU MLA kernel (sessions before 14 ran 16)")
+                             "decode steps take the Mosaic-GPU MLA kernel (16 was the earlier default)")
     parser.add_argument("--memory-gib", type=float, default=4.0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="> 0: sample (top_p 0.9), which takes the general step variant with the sampler's sort")

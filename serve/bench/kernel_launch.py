@@ -2,7 +2,7 @@
 chain of our decode-sized kernels?
 
 A decode step at batch 1 is a chain of ~25 dependent small kernels per layer, each paying a launch ramp (BENCHMARKS.md,
-session 10: "each launch's fixed ramp ... which only fewer launches on the critical path can remove"). XLA can
+engine: each launch's fixed ramp, which only fewer launches on the critical path can remove). XLA can
 launch a kernel before its predecessor finishes (``xla_gpu_enable_pdl``; the kernel's ``griddepcontrol.wait`` holds
 its reads) and let a predecessor release its successors early (``xla_gpu_enable_pdl_launch``); both are on by
 default in jax 0.11.2 (the dumped ``*.debug_options``, which list non-default options, show them only when turned
@@ -10,7 +10,7 @@ off). This times, per option set, one jitted chain of ``--links`` x (one-row GEM
 through our grouped kernel, then our residual add + RMSNorm), and the same chain in plain XLA, checks that every
 option set gives bit-identical results, and counts the PDL instructions in what XLA emitted for a 2-link chain
 under each option set (a child process per set with ``XLA_FLAGS=--xla_dump_to=...``: given as a compile option,
-``xla_dump_to`` wrote nothing on the H200 in session 13), which says whether our Pallas kernels get
+``xla_dump_to`` writes nothing on the H200), which says whether our Pallas kernels get
 ``griddepcontrol.wait`` at all.
 
     PYTHONPATH=. python3 -m serve.bench.kernel_launch --links 32

@@ -63,7 +63,7 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 """XLA options of the engine's executables on GPU. CONCURRENT: the CUDA graph of a step orders its kernels by
 their buffer dependencies only, so independent small kernels overlap (H200, Kimi-Linear shapes, 4 layers:
 device time per decode step 0.71 -> 0.61 ms at batch 1 and 1.78 -> 1.68 ms at batch 16; BENCHMARKS.md,
-session 6)."""
+engine)."""
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 _compile_count = 0
