@@ -114,9 +114,12 @@ def pad_step(step: StepInputs) -> StepInputs:
     tp, np_, mp = _bucket(t, 8), _bucket(n), _bucket(m)
     if step.decode_only:  # the fused decode path pairs row i with sequence i
         tp = np_ = _bucket(n, 8)
+    if step.verify_len:  # the verify path pairs rows n*Tq .. n*Tq + Tq - 1 with sequence n
+        np_ = _bucket(n)
+        tp = np_ * step.verify_len
     if (tp, np_, mp) == (t, n, m):
         return step
-    f = {k: np.asarray(v) for k, v in step.__dict__.items() if k != "decode_only"}
+    f = {k: np.asarray(v) for k, v in step.__dict__.items() if k not in ("decode_only", "verify_len")}
     pad_n = np_ - n
     return StepInputs(
         token_ids=jnp.asarray(np.pad(f["token_ids"], (0, tp - t))),
@@ -127,7 +130,7 @@ def pad_step(step: StepInputs) -> StepInputs:
         logits_indices=jnp.asarray(np.pad(f["logits_indices"], (0, mp - m))),
         checkpoint_positions=jnp.asarray(np.pad(f["checkpoint_positions"], ((0, pad_n), (0, 0)), constant_values=-1)),
         checkpoint_slots=jnp.asarray(np.pad(f["checkpoint_slots"], ((0, pad_n), (0, 0)))),
-        decode_only=step.decode_only)
+        decode_only=step.decode_only, verify_len=step.verify_len)
 
 
 def _run_step(graphdef, state, cache, step, *, impl, mla_form):

@@ -89,13 +89,15 @@ class _Mixer:
 
 
 def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None,
-            mla_form: str = "absorbed", finite_pages: bool = True) -> tuple[jax.Array, HybridCache]:
-    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache).
+            mla_form: str = "absorbed", finite_pages: bool = True, taps: tuple[int, ...] = ()):
+    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache), and
+    with ``taps`` a third result ``[len(taps), T, D]`` f32: every row's residual stream after each listed layer
+    (0-indexed; for AttnRes models the running partial sum of the block, what a DSpark drafter conditions on).
 
     ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
     ("absorbed", "unabsorbed", or "auto" from the step's shapes: the same function; see kimi_jax.layers.mla);
     ``finite_pages``: the MLA pool holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode;
-    see ``mla_layer``)."""
+    see ``mla_layer``). Pages of MLA layers beyond the model's own (a drafter's) are carried through untouched."""
     cfg = model.config
     layout = token_layout(step)
     x = model.embed[step.token_ids]
@@ -104,6 +106,10 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     state, conv, pages, scales = cache.kda_state, cache.kda_conv, cache.mla, cache.mla_scales
     mix = _Mixer(cfg.rms_norm_eps)
     dtype = x.dtype
+    bad = [i for i in taps if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise ValueError(f"taps {bad} are not layers of this {cfg.num_layers}-layer model")
+    tapped: dict[int, jax.Array] = {}
 
     def attention(i: int, h: jax.Array) -> jax.Array | PartialSum:
         nonlocal state, conv, pages, scales
@@ -133,6 +139,8 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             h = mix(blocks, partial, ar.mlp_query[i], ar.mlp_norm[i])
             f = ffn(i, rms_norm(h.astype(dtype), model.post_attn_norm[i], cfg.rms_norm_eps))
             partial = partial + total(f, F32)
+            if i in taps:
+                tapped[i] = partial
         rows = step.logits_indices
         final = mix([b[rows] for b in blocks], partial[rows], ar.out_query, ar.out_norm)
         hidden = rms_norm(final.astype(dtype), model.norm, cfg.rms_norm_eps)
@@ -148,8 +156,13 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             x, h = add_norm(x, attention(i, h), model.post_attn_norm[...], i)
             last = i + 1 == cfg.num_layers
             x, h = add_norm(x, ffn(i, h), *((model.norm[...], None) if last else (model.input_norm[...], i + 1)))
+            if i in taps:
+                tapped[i] = x.astype(F32)
         hidden = h[step.logits_indices]
-    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
+    cache = HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
+    if taps:
+        return hidden, cache, jnp.stack([tapped[i] for i in taps])
+    return hidden, cache
 
 
 def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:

@@ -20,7 +20,7 @@ from kimi_jax.config import ModelConfig
 @partial(jax.tree_util.register_dataclass,
          data_fields=["token_ids", "cu_seqlens", "context_lens", "block_tables", "state_slots", "logits_indices",
                       "checkpoint_positions", "checkpoint_slots"],
-         meta_fields=["decode_only"])
+         meta_fields=["decode_only", "verify_len"])
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """One packed ragged step (all int32).
@@ -35,6 +35,10 @@ class StepInputs:
     checkpoint_slots     [N, Pc]  destination slots of those checkpoints
     decode_only          static: every row is one token of a sequence with cached context (T == N, all
                          context_lens > 0, no checkpoints); KDA then runs the fused single-token kernel
+    verify_len           static: 0, or Tq for a speculative-verification step: sequence n owns rows n*Tq ..
+                         n*Tq + Tq - 1 (its last token, its drafts, padding), all with cached context, and the KDA
+                         state after its t-th row goes to checkpoint_slots[n, t] where checkpoint_positions[n, t]
+                         >= 0 (Pc == Tq); the live slot is read, not written
     """
 
     token_ids: jax.Array
@@ -46,6 +50,7 @@ class StepInputs:
     checkpoint_positions: jax.Array
     checkpoint_slots: jax.Array
     decode_only: bool = False
+    verify_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -97,14 +102,17 @@ class HybridCache:
 
 
 def init_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,
-               dtype=jnp.bfloat16, state_dtype=jnp.float32) -> HybridCache:
+               dtype=jnp.bfloat16, state_dtype=jnp.float32, extra_mla_layers: int = 0) -> HybridCache:
     """Zero-initialised pools (``jnp.empty`` is uninitialised since jax 0.11: never use it for state).
 
-    ``dtype`` is the MLA page dtype; ``float8_e4m3fn`` adds the per-token ``mla_scales`` pool."""
+    ``dtype`` is the MLA page dtype; ``float8_e4m3fn`` adds the per-token ``mla_scales`` pool.
+    ``extra_mla_layers``: page layers after the model's own, for a drafter that caches latents of the same width
+    at the same block ids."""
     fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
+    num_mla = len(cfg.mla_layers) + extra_mla_layers
     return HybridCache(
-        mla=jnp.zeros((len(cfg.mla_layers), num_blocks, block_size, cfg.mla_cache_width), dtype),
-        mla_scales=jnp.zeros((len(cfg.mla_layers), num_blocks, block_size), jnp.float32) if fp8 else None,
+        mla=jnp.zeros((num_mla, num_blocks, block_size, cfg.mla_cache_width), dtype),
+        mla_scales=jnp.zeros((num_mla, num_blocks, block_size), jnp.float32) if fp8 else None,
         kda_state=jnp.zeros((len(cfg.kda_layers), num_slots, cfg.kda_num_v_heads, cfg.kda_head_dim,
                              cfg.kda_v_head_dim), state_dtype),
         kda_conv=jnp.zeros((len(cfg.kda_layers), num_slots, cfg.kda_conv_kernel - 1, cfg.kda_conv_channels),

@@ -130,6 +130,9 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
     gate = g_full[0] if full_rank else proj(g_low[0], p.g_b)
     if step.decode_only:  # the decode kernel casts in its loads: no separate convert kernel per layer
         return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, step, cfg, impl)
+    if step.verify_len:
+        return _verify(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, checkpoint_slots, step,
+                       cfg, impl)
     g_raw, beta_logits = g_raw.astype(F32), beta_logits.astype(F32)  # [T, HV, K], [T, HV]
 
     fresh = (step.context_lens == 0)
@@ -187,3 +190,21 @@ def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, c
         split_v=kda_ops.decode_split_v(t_rows, cfg.kda_num_v_heads), layer=j,
         impl=impl)
     return stacked_linear_unsummed(y.astype(x.dtype), p.o_proj, j, impl=impl), state_pool, conv_pool
+
+
+def _verify(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, checkpoint_slots,
+            step: StepInputs, cfg: ModelConfig, impl):
+    """Speculative verification: every sequence owns ``Tq = step.verify_len`` consecutive rows (its last token and
+    its drafts, padded), all with cached context. The fused verify op starts from each live slot, leaves it as it
+    is, and writes the conv + recurrent state after fed token t into ``checkpoint_slots[n, t]`` where
+    ``checkpoint_positions[n, t] >= 0``: the engine keeps the one of the accepted prefix, so a rejected draft
+    never reaches the state the request continues from."""
+    n, tq = step.num_seqs, step.verify_len
+    if x.shape[0] != n * tq:
+        raise ValueError(f"verify steps need {tq} rows per sequence, got T={x.shape[0]}, N={n}")
+    out_slots = jnp.where(step.checkpoint_positions >= 0, checkpoint_slots, -1)
+    y, conv_pool, state_pool = kda_ops.fused_recurrent_kda_verify(
+        qkv.reshape(n, tq, -1), p.conv[...], conv_pool, g_raw.reshape(n, tq, -1), beta_logits.reshape(n, tq, -1),
+        p.A_log[...], p.dt_bias[...], state_pool, slots, out_slots, gate.reshape(n, tq, -1), p.o_norm[...],
+        lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, layer=j, impl=impl)
+    return stacked_linear_unsummed(y.reshape(n * tq, -1).astype(x.dtype), p.o_proj, j, impl=impl), state_pool, conv_pool

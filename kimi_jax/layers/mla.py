@@ -70,9 +70,28 @@ def choose_form(step: StepInputs, num_keys: int) -> str:
     return "absorbed"
 
 
+def latent(p: MLAStack, j: int, x: jax.Array, cfg: ModelConfig, kv: jax.Array | None = None, *,
+           impl: str | None = None) -> jax.Array:
+    """What layer ``j`` caches per row: normalised ``c_kv`` ++ ``k_pe`` ``[T, R+Kr]`` from x [T, D] (or from the
+    row's ``kv_a`` product ``kv`` when the caller already has it)."""
+    if kv is None:
+        kv = stacked_linear(x, p.kv_a, j, impl=impl)
+    r = cfg.kv_lora_rank
+    return jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
+
+
+def write_latents(pages: jax.Array, scales: jax.Array | None, rows: jax.Array, slots: jax.Array, layer: int
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """Scatter ``rows [T, R+Kr]`` into page layer ``layer`` at flat cache rows ``slots [T]`` (-1: skipped)."""
+    if scales is None:
+        return mla_ops.write_latent_cache(pages, rows.astype(pages.dtype), slots, layer=layer), None
+    return mla_ops.write_latent_cache_fp8(pages, scales, rows, slots, layer=layer)
+
+
 def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
               layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None, form: str = "absorbed",
-              finite_pages: bool = True) -> tuple[jax.Array | PartialSum, jax.Array, jax.Array | None]:
+              finite_pages: bool = True, page_layer: int | None = None
+              ) -> tuple[jax.Array | PartialSum, jax.Array, jax.Array | None]:
     """MLA layer ``j`` on a packed step.
 
     x [T, D]; pages [L_mla, num_blocks, block_size, R+Kr] (all MLA layers; layer ``j`` is read and written);
@@ -81,7 +100,9 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     (queries move to the latent space; decode), "unabsorbed" (the cached latents of each sequence are gathered
     and up-projected to per-head keys/values; prefill) or "auto" (:func:`choose_form` from the step's shapes).
     ``finite_pages``: every page row holds a finite value (False under the engine's NaN test mode); with it,
-    decode-only steps may take the Mosaic-GPU attention kernel (``mla_paged_attention``'s ``decode_q_len``)."""
+    decode-only steps may take the Mosaic-GPU attention kernel (``mla_paged_attention``'s ``decode_q_len``).
+    ``page_layer``: the layer of ``pages`` this layer reads and writes (default ``j``; a drafter's layers sit
+    after the model's own)."""
     t_rows = x.shape[0]
     h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                         cfg.kv_lora_rank)
@@ -90,12 +111,9 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     if cfg.q_lora_rank:
         q = stacked_linear(rms_norm(q, p.q_a_norm[j], cfg.rms_norm_eps), p.q_b, j, impl=impl)
     q = q.reshape(t_rows, h, kn + kr)
-    latent = jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
-    slots = slot_mapping(step, layout, pages.shape[2])
-    if scales is None:
-        pages = mla_ops.write_latent_cache(pages, latent.astype(pages.dtype), slots, layer=j)
-    else:
-        pages, scales = mla_ops.write_latent_cache_fp8(pages, scales, latent, slots, layer=j)
+    pj = j if page_layer is None else page_layer
+    pages, scales = write_latents(pages, scales, latent(p, j, x, cfg, kv), slot_mapping(step, layout, pages.shape[2]),
+                                  pj)
 
     scale = (kn + kr) ** -0.5
     total = step.context_lens + layout.q_lens
@@ -105,7 +123,7 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     if form == "unabsorbed":
         cu_kv = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
         keys = mla_ops.gather_latent(pages, step.block_tables, cu_kv, num_keys, page_scales=scales,
-                                     layer=j)  # [S, R+Kr]
+                                     layer=pj)  # [S, R+Kr]
         w_kv = p.kv_b[j].reshape(r, h, kn + vd)  # per head: Kn columns of W_UK, then V of W_UV
         kv = jnp.einsum("sr,rhc->shc", keys[:, :r].astype(x.dtype), w_kv, preferred_element_type=F32)
         o, _ = mla_ops.mla_prefill_attention(q, kv[..., :kn].astype(x.dtype), keys[:, r:].astype(x.dtype),
@@ -115,7 +133,7 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     elif form == "absorbed":
         q_abs = mla_ops.absorb_queries(q, p.kv_b[...], layer=j, k_nope=kn, impl=impl)
         o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, step.block_tables, total, step.cu_seqlens,
-                                               scale=scale, kv_lora_rank=r, page_scales=scales, layer=j,
+                                               scale=scale, kv_lora_rank=r, page_scales=scales, layer=pj,
                                                decode_q_len=1 if step.decode_only and finite_pages else None,
                                                impl=impl)
         attn = mla_ops.absorb_outputs(o_lat, p.kv_b[...], layer=j, v_dim=vd, impl=impl).reshape(t_rows, h * vd)

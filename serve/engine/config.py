@@ -11,6 +11,7 @@ import math
 
 from serve.engine.buckets import Buckets, default_buckets
 from serve.engine.sampling_params import MAX_LOGPROBS
+from serve.engine.spec_config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 MXFP4_BYTE_ORDERS = ("auto", "checkpoint", "pairs", "words")
@@ -49,6 +50,9 @@ class EngineConfig:
                                decoding (tokens fed from the device; ``Scheduler.schedule_ahead``)
     test_mode                  fill freed pages and slots with NaN so that a stale read shows up
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
+    speculative_config         speculative decoding (``SpeculativeConfig``, its dict or its JSON; None = off):
+                               verification buckets are compiled beside the others, and the KDA pool gets
+                               1 + k spare slots per sequence for the states after each verified token
     """
 
     max_model_len: int | None = None
@@ -73,6 +77,18 @@ class EngineConfig:
     async_scheduling: bool = True
     test_mode: bool = False
     compile_threads: int | None = None
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_json(spec))
+
+    @property
+    def num_speculative_slots(self) -> int:
+        """KDA slots reserved for verification: 1 + k per sequence of a step (0 without speculation)."""
+        spec = self.speculative_config
+        return 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
 
     @property
     def max_pages(self) -> int:

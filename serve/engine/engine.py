@@ -7,12 +7,12 @@ One ``step()``:
 3. while the device runs, does the output processing of the tokens of 1 (incremental detokenisation, stop
    strings, n > 1 aggregation, RequestOutput building) and returns those outputs.
 So the host work of 3 (and the return to the caller, and whatever the caller does before calling step()
-again, such as streaming to clients) overlaps the device's next step. Phases 1-2 (update, schedule, input
-building, launch) cannot overlap the device: the scheduler needs step n's tokens to plan step n+1, so the
-device idles for their duration (``StepTiming``; removing that needs scheduling ahead with placeholder
-tokens). A request that a stop string ends in 3 is already part of the step in flight; the scheduler drops
-that step's token for it (and, since the step may still write its slot, does not keep its final state as a
-prefix-cache checkpoint).
+again, such as streaming to clients) overlaps the device's next step. With ``async_scheduling``, in steady
+decoding step n+1 is even scheduled and launched before step n's tokens reach the host (placeholder tokens fed
+from the device, ``Scheduler.schedule_ahead``), so phases 1-2 overlap the device too; otherwise (admission,
+prefill, speculative verification) the device idles for their duration (``StepTiming``). A request that a
+stop string ends in 3 is already part of the step in flight; the scheduler drops that step's token for it
+(and, since the step may still write its slot, does not keep its final state as a prefix-cache checkpoint).
 
 n > 1: the request becomes n scheduler requests (``request_id``, ``request_id#1``, ...) with seeds
 ``seed + i``; the later ones wait for the first one's prompt and resume from its prompt-end checkpoint.
@@ -157,8 +157,10 @@ class LLMEngine:
             enable_prefix_caching=cfg.enable_prefix_caching, retention_interval=cfg.prefix_cache_retention_interval,
             max_checkpoints_per_seq=cfg.max_checkpoints_per_seq, bytes_per_block=runner.plan.bytes_per_block,
             bytes_per_slot=runner.plan.bytes_per_slot)
+        spec = cfg.speculative_config
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                                   max_num_batched_tokens=cfg.max_num_batched_tokens), cache_config)
+                                                   max_num_batched_tokens=cfg.max_num_batched_tokens), cache_config,
+                                   spec, draft_lookahead=spec.num_speculative_tokens if runner.drafter_params else 0)
         self._rng = random.Random(cfg.seed)
         self._requests: dict[str, _UserRequest] = {}
         self._completion_of: dict[str, _Completion] = {}
@@ -187,8 +189,9 @@ class LLMEngine:
                       progress=ProgressBar("loading weights", unit="parameters") if progress else None)
         else:
             lm = model
+        drafter = _load_drafter(config.speculative_config, model, lm)
         compiling = ProgressBar("compiling step buckets", unit="executables") if progress else None
-        return cls(ModelRunner(lm, config, mesh=mesh, impl=impl, progress=compiling),
+        return cls(ModelRunner(lm, config, mesh=mesh, impl=impl, progress=compiling, drafter=drafter),
                    tokenizer=_resolve_tokenizer(tokenizer, model))
 
     # ---- requests ----
@@ -305,7 +308,7 @@ class LLMEngine:
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, cache_usage=s.cache_usage,
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
-                           generation_tokens=s.generation_tokens)
+                           generation_tokens=s.generation_tokens, spec_decode=s.spec_decode)
 
     # ---- output processing ----
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
@@ -397,7 +400,13 @@ def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfi
         enable_prefix_caching=config.enable_prefix_caching,
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         max_checkpoints_per_seq=config.max_checkpoints_per_seq, num_blocks_override=config.num_blocks_override,
-        seed=config.seed, async_scheduling=config.async_scheduling)
+        seed=config.seed, async_scheduling=config.async_scheduling, speculative_config=config.speculative_config)
+    spec, compiled = config.speculative_config, base.speculative_config
+    static = ("method", "num_speculative_tokens", "model", "draft_sample_method", "rejection_sample_method")
+    if (spec is None) != (compiled is None) or (spec is not None and any(
+            getattr(spec, f) != getattr(compiled, f) for f in static)):
+        raise ValueError(f"EngineConfig.speculative_config must match the runner's in {static} (its executables "
+                         "depend on them); only the scheduling fields may differ")
     cfg.validate(runner.model_config)
     if cfg.max_model_len > base.max_model_len:
         raise ValueError(f"EngineConfig.max_model_len {cfg.max_model_len} exceeds the runner's {base.max_model_len}")
@@ -405,6 +414,22 @@ def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfi
         raise ValueError(f"EngineConfig.max_checkpoints_per_seq {cfg.max_checkpoints_per_seq} exceeds the "
                          f"runner's compiled width {base.max_checkpoints_per_seq}")
     return cfg
+
+
+def _load_drafter(spec, model, lm):
+    """The DSpark drafter a speculative config names: ``spec.model`` (a folder or a preset with a shipped
+    drafter), else the drafter shipped beside the preset ``model`` (``<preset>-dspark``)."""
+    if spec is None or spec.method != "dspark":
+        return None
+    from kimi_jax.api import shipped_checkpoint
+    from kimi_jax.weights.drafter_io import load_drafter
+
+    name = spec.model or (f"{model}-dspark" if isinstance(model, str) else None)
+    folder = name if name and os.path.isdir(name) else shipped_checkpoint(name) if name else None
+    if folder is None:
+        raise ValueError(f"speculative_config.model: no DSpark drafter at {name!r} (a checkpoint folder or a "
+                         "preset with a shipped drafter, e.g. 'tiny-dspark')")
+    return load_drafter(folder, lm.model if hasattr(lm, "model") else lm)
 
 
 def _resolve_tokenizer(tokenizer, model):

@@ -37,9 +37,11 @@ class CacheDims:
 
     @classmethod
     def from_model_config(cls, cfg, *, mla_dtype_bytes: int = 2, mla_scale_bytes: int = 0,
-                          state_dtype_bytes: int = 4, conv_dtype_bytes: int = 4) -> "CacheDims":
-        """From a ``kimi_jax.config.ModelConfig`` (the defaults match ``kimi_jax.step.init_cache``)."""
-        return cls(num_mla_layers=len(cfg.mla_layers), kv_lora_rank=cfg.kv_lora_rank,
+                          state_dtype_bytes: int = 4, conv_dtype_bytes: int = 4,
+                          extra_mla_layers: int = 0) -> "CacheDims":
+        """From a ``kimi_jax.config.ModelConfig`` (the defaults match ``kimi_jax.step.init_cache``;
+        ``extra_mla_layers``: a drafter's page layers)."""
+        return cls(num_mla_layers=len(cfg.mla_layers) + extra_mla_layers, kv_lora_rank=cfg.kv_lora_rank,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, num_kda_layers=len(cfg.kda_layers),
                    kda_num_heads=cfg.kda_num_heads, kda_num_v_heads=cfg.kda_num_v_heads,
                    kda_head_dim=cfg.kda_head_dim, kda_v_head_dim=cfg.kda_v_head_dim,

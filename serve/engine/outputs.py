@@ -48,19 +48,39 @@ class RequestOutput:
 
 
 @dataclasses.dataclass
+class SpecTokens:
+    """What a speculative step adds, one row per scheduled sequence (device arrays, or numpy on the host).
+
+    num_accepted  [N]          int32  drafts the target accepted (0 outside verification steps)
+    emitted       [N, Tq]      int32  verification steps: the accepted drafts, then the token drawn after them
+                                      (at index num_accepted); else [N, 1], the sampled token
+    drafts        [N, k]       int32  a device drafter's proposals for the next step (zeros without one)
+    num_drafts    [N]          int32  how many of them to verify (a confidence cut may keep fewer than k)
+    """
+
+    num_accepted: np.ndarray
+    emitted: np.ndarray
+    drafts: np.ndarray
+    num_drafts: np.ndarray
+
+
+@dataclasses.dataclass
 class SampledTokens:
     """The sampler's result for one step, one row per scheduled sequence (device arrays, or numpy on the host).
 
-    token_ids     [N]     int32  sampled token of each row
+    token_ids     [N]     int32  sampled token of each row (verification steps: the token drawn after the
+                                 accepted drafts)
     logprobs      [N]     f32    log-probability of that token
     top_token_ids [N, k]  int32  the k most likely tokens, most likely first (k = 0 when not requested)
     top_logprobs  [N, k]  f32    their log-probabilities
+    spec          SpecTokens of a speculative engine's step, else None
     """
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     top_token_ids: np.ndarray
     top_logprobs: np.ndarray
+    spec: SpecTokens | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +95,25 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decode: "SpecDecodeStats | None" = None
+
+
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """Speculative-decoding counters in vLLM's names (totals since start).
+
+    num_drafts           verification rows with at least one draft
+    num_draft_tokens     drafts proposed to the target
+    num_accepted_tokens  drafts the target accepted
+    accepted_per_pos     [k] how often the draft at each position was accepted
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification row: 1 + accepted drafts on average (1.0 = no gain)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

@@ -94,6 +94,9 @@ class PrefixCache:
         return path
 
     def node_at(self, page_hashes: Sequence[bytes], depth: int) -> PageNode | None:
+        """The indexed node of full page ``depth`` (the root for 0); None past the pages hashed so far."""
+        if depth > len(page_hashes):
+            return None
         return self.root if depth == 0 else self.nodes.get(page_hashes[depth - 1])
 
     def find_checkpoint(self, tokens: Sequence[int], path: Sequence[PageNode], limit: int) -> Checkpoint | None:

@@ -73,6 +73,7 @@ class Request:
         self.planned_checkpoints: list[int] = []
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.draft_token_ids: list[int] = []  # proposals for the next step (speculative decoding)
 
     # ---- read-only views ----
     @property

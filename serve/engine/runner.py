@@ -51,8 +51,10 @@ from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
 from serve.engine.outputs import SampledTokens
+from serve.engine.outputs import SpecTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from serve.engine.speculation import SpecPlan, draft_next, verify_rows
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
 from sharding.rules import fitted_cache_specs
@@ -90,12 +92,13 @@ def _param_path(path: tuple) -> str:
 
 
 def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool,
-              finite_pages: bool, params, cache, words, optional, prev_tokens):
+              finite_pages: bool, plan: SpecPlan | None, params, cache, words, optional, prev_tokens,
+              drafter_params, draft_probs):
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
     prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
     ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N], tokens [S] (the sampled ids
-    padded with 0, the next step's ``prev_tokens``), new cache).
+    padded with 0, the next step's ``prev_tokens``), new cache, draft_probs).
 
     ``greedy_only`` (static): the variant for steps with no sampling, grammar, penalties or top logprobs: just
     the argmax. The general variant always applies the bitmask and penalties (neutral when unused), sorts for
@@ -105,29 +108,64 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     asynchronous scheduling.
 
     ``finite_pages`` (static): False in test mode, whose NaN-poisoned free pages rule out the Mosaic-GPU MLA
-    decode kernel (``kimi_jax.model.forward``)."""
+    decode kernel (``kimi_jax.model.forward``).
+
+    ``plan`` (static): speculative decoding, or None. Verification steps (``step.verify_len``) verify each
+    sequence's drafts (``speculation.verify_rows``); with a DSpark drafter (``drafter_params``) every step also
+    caches its context and drafts the next block after each sequence's new token. ``draft_probs [S, k, V]``
+    carries the drafter's distributions from one step to the next when drafts are sampled (a [1, 1, 1]
+    placeholder otherwise): row ``batch.draft_rows[n]`` of the step before is sequence n's."""
     batch = join(unpack(words, layout), optional)
     ids = batch.step.token_ids
     pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
     step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, cache = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages)
-    logits = compute_logits(model, hidden)  # [N, vocab] f32
+    taps = plan.taps if plan is not None and plan.has_drafter else ()
+    out = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages, taps=taps)
+    hidden, cache = out[0], out[1]
+    logits = compute_logits(model, hidden)  # [M, vocab] f32
+    n = step.num_seqs
+    sampled_probs = plan is not None and plan.has_drafter and plan.draft_sampling == "probabilistic"
+    if step.verify_len:
+        sampled, spec = verify_rows(logits, step, batch.sampling, draft_probs if sampled_probs else None,
+                                    batch.draft_rows, plan, greedy_only=greedy_only)
+        emitted = spec.num_accepted + 1
+    else:
+        sampled = _sample_rows(logits, batch, impl, num_top_logprobs, greedy_only)
+        emitted = jnp.ones(n, jnp.int32)
+        spec = None if plan is None else SpecTokens(jnp.zeros(n, jnp.int32), sampled.token_ids[:, None],
+                                                    jnp.zeros((n, plan.num_tokens), jnp.int32), jnp.zeros(n, jnp.int32))
+    if plan is not None and plan.has_drafter:
+        q_lens = step.cu_seqlens[1:] - step.cu_seqlens[:-1]
+        fed = emitted if step.verify_len else q_lens
+        cache, drafts, num_drafts, probs = draft_next(
+            plan, model, drafter_params, cache, step, out[2], sampled.token_ids, step.context_lens + fed,
+            batch.sampling, batch.sampling.step_index + emitted, impl=impl, finite_pages=finite_pages)
+        spec = dataclasses.replace(spec, drafts=drafts, num_drafts=num_drafts)
+        if probs is not None:
+            draft_probs = draft_probs.at[:n].set(probs.astype(draft_probs.dtype))
+    if spec is not None:
+        sampled = dataclasses.replace(sampled, spec=spec)
+    tokens = jnp.zeros_like(prev_tokens).at[:n].set(sampled.token_ids)
+    return sampled, tokens, cache, draft_probs
+
+
+def _sample_rows(logits: jax.Array, batch: StepBatch, impl: str | None, num_top_logprobs: int,
+                 greedy_only: bool) -> SampledTokens:
+    """One token per sequence from its last row's logits [N, V] (see ``_run_step`` for the two variants)."""
     rows = logits.shape[0]
     if greedy_only:
         sampled = _greedy(logits, impl)
         top = (jnp.zeros((rows, num_top_logprobs), jnp.int32), jnp.zeros((rows, num_top_logprobs), jnp.float32))
-        sampled = SampledTokens(sampled.token_ids, sampled.logprobs, *top)
-    else:
-        s = batch.sampling
-        # No lax.cond here either (see above): unused stages get neutral inputs (all-allowed bitmask, no penalty)
-        logits = apply_penalties(apply_bitmask(logits, s.allowed_bitmask), s)
-        sampled = sample(logits, dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING)))  # greedy rows: argmax
-        if num_top_logprobs:
-            top_lps, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
-            sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids.astype(jnp.int32), top_lps)
-    tokens = jnp.zeros_like(prev_tokens).at[:rows].set(sampled.token_ids)
-    return sampled, tokens, cache
+        return SampledTokens(sampled.token_ids, sampled.logprobs, *top)
+    s = batch.sampling
+    # No lax.cond here either (see above): unused stages get neutral inputs (all-allowed bitmask, no penalty)
+    logits = apply_penalties(apply_bitmask(logits, s.allowed_bitmask), s)
+    sampled = sample(logits, dataclasses.replace(s, **dict.fromkeys(OPTIONAL_SAMPLING)))  # greedy rows: argmax
+    if num_top_logprobs:
+        top_lps, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
+        sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids.astype(jnp.int32), top_lps)
+    return sampled
 
 
 def _greedy(logits: jax.Array, impl: str | None) -> SampledTokens:
@@ -166,6 +204,9 @@ class StepHandle:
         self._with_logprobs = with_logprobs
         if sampled is not None:
             sampled.token_ids.copy_to_host_async()
+            if sampled.spec is not None:
+                for array in jax.tree.leaves(sampled.spec):
+                    array.copy_to_host_async()
             if with_logprobs:
                 for array in (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs):
                     array.copy_to_host_async()
@@ -176,12 +217,13 @@ class StepHandle:
             return SampledTokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, 0), np.int32),
                                  np.zeros((0, 0), np.float32))
         token_ids = np.asarray(self._sampled.token_ids)[:n]
+        s = self._sampled
+        spec = None if s.spec is None else jax.tree.map(lambda a: np.asarray(a)[:n], s.spec)
         if not self._with_logprobs:
             return SampledTokens(token_ids, np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
-                                 np.zeros((n, 0), np.float32))
-        s = self._sampled
+                                 np.zeros((n, 0), np.float32), spec)
         return SampledTokens(token_ids, np.asarray(s.logprobs)[:n], np.asarray(s.top_token_ids)[:n],
-                             np.asarray(s.top_logprobs)[:n])
+                             np.asarray(s.top_logprobs)[:n], spec)
 
 
 class ModelRunner:
@@ -195,6 +237,8 @@ class ModelRunner:
         step is partitioned by GSPMD, which needs the pure-XLA ops (the Pallas kernels are not partitioned yet).
       impl: op implementation passed to the forward (None = backend default).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
+      drafter: the DSpark drafter (``kimi_jax.drafter.DSparkDrafter``) when ``config.speculative_config`` asks
+        for one; its page layers follow the model's in the MLA pool.
 
     MXFP4 experts are re-laid in place into the word (or pair-halves) byte order first when
     ``config.mxfp4_byte_order`` asks for it ("auto": Pallas on a GPU), so the model passed in holds ``{w}_words``
@@ -202,7 +246,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
-                 impl: str | None = None, warm_up: bool = True, progress: Callable[[int, int], None] | None = None):
+                 impl: str | None = None, warm_up: bool = True, progress: Callable[[int, int], None] | None = None,
+                 drafter=None):
         if isinstance(model, KimiLM):
             impl = impl if impl is not None else model.impl
             model = model.model
@@ -226,6 +271,7 @@ class ModelRunner:
         self._graphdef = graphdef
         self.vocab_size = model.config.vocab_size
         self.kv_dtype = jnp.dtype(kv_cache_dtype_name(self.config.kv_cache_dtype, jnp.dtype(model.dtype)))
+        self.spec_plan, self.drafter_params, self.num_draft_layers = self._speculation(model, drafter)
         self.plan = self._plan_pools()
         self.cache = self._zero_cache()
         self.penalty_width = min(self.config.max_model_len, self.vocab_size)
@@ -239,9 +285,46 @@ class ModelRunner:
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
         self._tokens = jax.device_put(np.zeros(max(self.buckets.seqs), np.int32), self.replicated)
+        self._draft_probs = self._initial_draft_probs()
+        self._verify_steps: dict[tuple[int, int, bool], jax.stages.Compiled] = {}
+        self._verify_buffers: dict[tuple[int, int], WordBuffer] = {}
+        self._rows: dict[str, int] = {}  # request id -> its row in the last step (draft_rows of the next)
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up(progress)
+
+    # ---- speculative decoding ----
+    def _speculation(self, model: KimiModel, drafter) -> tuple[SpecPlan | None, list, int]:
+        """The static plan of the step executables, the drafter's flat parameters and its page layers."""
+        spec = self.config.speculative_config
+        if spec is None:
+            if drafter is not None:
+                raise ValueError("a drafter was given but EngineConfig.speculative_config is None")
+            return None, [], 0
+        if spec.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not served yet: use 'ngram' or 'dspark'")
+        if spec.method != "dspark":
+            return SpecPlan(spec.method, spec.num_speculative_tokens, spec.rejection_sample_method,
+                            spec.draft_sample_method), [], 0
+        if drafter is None:
+            raise ValueError("speculative_config.method 'dspark' needs a drafter (speculative_config.model)")
+        if drafter.config.num_drafts < spec.num_speculative_tokens:
+            raise ValueError(f"speculative_config.num_speculative_tokens {spec.num_speculative_tokens} exceeds the "
+                             f"drafter's block ({drafter.config.num_drafts} drafts)")
+        graphdef, state = nnx.split(drafter)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        params = [jax.device_put(leaf, self.replicated) for leaf in leaves]
+        plan = SpecPlan(spec.method, spec.num_speculative_tokens, spec.rejection_sample_method,
+                        spec.draft_sample_method, spec.min_draft_confidence, drafter.config.target_layer_ids,
+                        len(self.model_config.mla_layers), graphdef, treedef)
+        return plan, params, drafter.config.num_layers
+
+    def _initial_draft_probs(self) -> jax.Array:
+        plan = self.spec_plan
+        if plan is None or not plan.has_drafter or plan.draft_sampling != "probabilistic":
+            return jax.device_put(np.zeros((1, 1, 1), np.float32), self.replicated)
+        return jax.device_put(np.zeros((max(self.buckets.seqs), plan.num_tokens, self.vocab_size), np.float32),
+                              self.replicated)
 
     # ---- pools ----
     @property
@@ -256,10 +339,10 @@ class ModelRunner:
         cfg = self.config
         fp8 = self.kv_dtype == jnp.float8_e4m3fn
         dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize,
-                                           mla_scale_bytes=4 if fp8 else 0)
+                                           mla_scale_bytes=4 if fp8 else 0, extra_mla_layers=self.num_draft_layers)
         budget = cfg.memory_budget_bytes or (self._device_budget() if self.on_gpu else CPU_MEMORY_BUDGET)
         plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                         num_checkpoint_slots=cfg.num_checkpoint_slots)
+                         num_checkpoint_slots=cfg.num_checkpoint_slots + cfg.num_speculative_slots)
         plan = plan_pools(budget, dims, **plan_args)
         blocks = plan.num_blocks if cfg.num_blocks_override is None else min(plan.num_blocks, cfg.num_blocks_override)
         blocks -= blocks % MeshShape.of(self.mesh).dcp  # the page pool splits evenly over dcp
@@ -280,7 +363,8 @@ class ModelRunner:
 
     def _zero_cache(self) -> HybridCache:
         make = partial(init_cache, self.model_config, num_blocks=self.plan.num_blocks,
-                       block_size=self.config.block_size, num_slots=self.plan.num_slots, dtype=self.kv_dtype)
+                       block_size=self.config.block_size, num_slots=self.plan.num_slots, dtype=self.kv_dtype,
+                       extra_mla_layers=self.num_draft_layers)
         specs = fitted_cache_specs(jax.eval_shape(make), MeshShape.of(self.mesh).sizes())
         self.cache_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         return jax.jit(make, out_shardings=self.cache_shardings)()
@@ -292,18 +376,28 @@ class ModelRunner:
         start = time.perf_counter()
         cfg = self.config
         lowered = {}
+
+        def lower(buffer: WordBuffer, optional: tuple, greedy_only: bool):
+            optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
+            words = jax.ShapeDtypeStruct((buffer.layout.num_words,), jnp.int32, sharding=self.replicated)
+            step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
+                                      buffer.layout, greedy_only, not cfg.test_mode, self.spec_plan),
+                              donate_argnums=(1, 6),
+                              out_shardings=(self.replicated, self.replicated, self.cache_shardings, self.replicated))
+            return step_fn.lower(self.params, self.cache, words, optional, self._tokens, self.drafter_params,
+                                 self._draft_probs)
+
         for shape in self.buckets.shapes():
             small, optional = split(self._neutral_batch(*shape))
             self._buffers[shape] = WordBuffer(small)
-            layout = self._buffers[shape].layout
-            optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
-            words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
-                step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
-                                          layout, greedy_only, not cfg.test_mode), donate_argnums=(1,),
-                                  out_shardings=(self.replicated, self.replicated, self.cache_shardings))
-                lowered[(*shape, greedy_only)] = step_fn.lower(self.params, self.cache, words, optional,
-                                                                self._tokens)
+                lowered[(*shape, greedy_only)] = lower(self._buffers[shape], optional, greedy_only)
+        for seqs, pages in self._verify_shapes():
+            small, optional = split(self._neutral_batch(seqs * self.verify_len, seqs, pages, False, self.verify_len))
+            self._verify_buffers[(seqs, pages)] = WordBuffer(small)
+            for greedy_only in (False, True):
+                lowered[("verify", seqs, pages, greedy_only)] = lower(self._verify_buffers[(seqs, pages)], optional,
+                                                                      greedy_only)
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
         pinned = dict(donate_argnums=(0,), out_shardings=self.cache_shardings)
@@ -322,8 +416,10 @@ class ModelRunner:
                 report(len(compiled), len(lowered))
         self._copy = compiled.pop("copy")
         self._poison = compiled.pop("poison", None)
+        self._verify_steps = {key[1:]: compiled.pop(key) for key in list(compiled) if key[0] == "verify"}
         self._steps = compiled
         self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
+        self.step_temp_bytes.update({("verify", *key): step_temp_bytes(c) for key, c in self._verify_steps.items()})
         if self.on_gpu:
             self._check_step_memory()
         self._run_each_step_once()
@@ -334,16 +430,18 @@ class ModelRunner:
         0 of each pool. A step that cannot run (e.g. out of device memory at run time, which the compile-time
         memory check can miss) then fails at start-up with its bucket named, not at the first request that needs
         it. On GPU this also records each step's CUDA graph before serving."""
-        for key, step in self._steps.items():
-            tokens, seqs, pages, decode_only, greedy_only = key
-            self._buffers[key[:4]].reset()
+        runs = [(step, self._buffers[key[:4]], key[1], "decode" + (" (greedy)" if key[4] else "") if key[3]
+                 else "mixed", key[:3]) for key, step in self._steps.items()]
+        runs += [(step, self._verify_buffers[key[:2]], key[0], "verify" + (" (greedy)" if key[2] else ""),
+                  (key[0] * self.verify_len, key[0], key[1])) for key, step in self._verify_steps.items()]
+        for step, buffer, seqs, kind, (tokens, _, pages) in runs:
+            buffer.reset()
             optional = tuple(self._neutral_sampling(seqs)[name] for name in OPTIONAL_SAMPLING)
             try:
-                sampled, _, self.cache = step(self.params, self.cache, self._buffers[key[:4]].take(), optional,
-                                              self._tokens)
+                sampled, _, self.cache, self._draft_probs = step(self.params, self.cache, buffer.take(), optional,
+                                                                 self._tokens, self.drafter_params, self._draft_probs)
                 jax.block_until_ready((sampled, self.cache))
             except jax.errors.JaxRuntimeError as err:
-                kind = "decode" + (" (greedy)" if greedy_only else "") if decode_only else "mixed"
                 raise RuntimeError(
                     f"the {kind} step of bucket T={tokens}, N={seqs}, pages={pages} cannot run on "
                     f"{self.mesh.devices.flat[0].device_kind}: {err}. Lower max_num_batched_tokens or max_num_seqs, "
@@ -357,7 +455,8 @@ class ModelRunner:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
         def describe(key) -> str:
-            top = large_buffers(self._steps[key].as_text(), min_bytes=256 << 20, limit=4)
+            step = self._verify_steps[key[1:]] if key[0] == "verify" else self._steps[key]
+            top = large_buffers(step.as_text(), min_bytes=256 << 20, limit=4)
             return "; its largest buffers: " + ", ".join(f"{name} ({op}, {size / GIB:.2f} GiB)"
                                                           for size, name, op in top) if top else ""
 
@@ -365,9 +464,20 @@ class ModelRunner:
 
     @property
     def num_executables(self) -> int:
-        """Executables compiled at warm-up (one step per bucket plus a greedy variant per decode bucket, copy,
-        poison in test mode)."""
-        return len(self._steps) + (self._copy is not None) + (self._poison is not None)
+        """Executables compiled at warm-up (one step per bucket plus a greedy variant per decode bucket, two per
+        verification bucket with speculative decoding, copy, poison in test mode)."""
+        return len(self._steps) + len(self._verify_steps) + (self._copy is not None) + (self._poison is not None)
+
+    @property
+    def verify_len(self) -> int:
+        """Rows per sequence of a verification step (1 + k), 0 without speculative decoding."""
+        return 0 if self.spec_plan is None else 1 + self.spec_plan.num_tokens
+
+    def _verify_shapes(self) -> list[tuple[int, int]]:
+        """(N, P) of every verification bucket: each sequence bucket with each page bucket."""
+        if not self.verify_len:
+            return []
+        return list(itertools.product(self.buckets.seqs, self.buckets.pages))
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput) -> StepHandle:
@@ -380,21 +490,29 @@ class ModelRunner:
             self._launch_copies(out.block_copies, out.slot_copies)
         if not out.sequences:
             return StepHandle(None, 0, False)
-        batch, optional, with_logprobs = self.build_batch(out.sequences)
+        batch, optional, with_logprobs = self.build_batch(out.sequences, verify_len=out.verify_len)
         step = batch.step
         shape = (step.num_tokens, step.num_seqs, step.block_tables.shape[1], step.decode_only)
-        greedy_only = step.decode_only and not any(map(bool, (batch.use_sampling, batch.use_bitmask,
-                                                              batch.use_penalties, batch.want_top_logprobs)))
+        greedy_only = ((step.decode_only or step.verify_len > 0)
+                       and not any(map(bool, (batch.use_sampling, batch.use_bitmask, batch.use_penalties,
+                                              batch.want_top_logprobs))))
         # Host arrays (the word buffer; penalty or grammar arrays when a row uses them) go to the executable as
         # numpy: its C++ argument path transfers them. jax.device_put first cost ~160 us of host time per step
         # here against ~6 us; the neutral optional arrays already live on the device.
-        inputs = (self._buffers[shape].take(), optional)
-        key = (*shape, greedy_only)
+        if step.verify_len:
+            buffer, executable = (self._verify_buffers[shape[1:3]],
+                                  self._verify_steps[(*shape[1:3], greedy_only)])
+            key = (*shape, greedy_only, step.verify_len)
+        else:
+            buffer, executable = self._buffers[shape], self._steps[(*shape, greedy_only)]
+            key = (*shape, greedy_only)
         self.launch_counts[key] += 1
-        self._last_launch = (self._steps[key], (*inputs, self._tokens))
+        self._last_launch = (executable, (buffer.take(), optional, self._tokens))
         start = time.perf_counter()
-        sampled, self._tokens, self.cache = self._last_launch[0](self.params, self.cache, *self._last_launch[1])
+        sampled, self._tokens, self.cache, self._draft_probs = executable(
+            self.params, self.cache, *self._last_launch[1], self.drafter_params, self._draft_probs)
         self.last_call_seconds = time.perf_counter() - start
+        self._rows = {seq.request_id: i for i, seq in enumerate(out.sequences)}
         return StepHandle(sampled, len(out.sequences), with_logprobs)
 
     def time_step(self, repeats: int) -> float:
@@ -404,26 +522,40 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         start = time.perf_counter()
         for _ in range(repeats):
-            sampled, _, self.cache = executable(self.params, self.cache, *args)
+            sampled, _, self.cache, self._draft_probs = executable(self.params, self.cache, *args,
+                                                                   self.drafter_params, self._draft_probs)
         jax.block_until_ready((sampled, self.cache))
         return (time.perf_counter() - start) / repeats
 
-    def build_batch(self, sequences: Sequence[ScheduledSequence]) -> tuple[StepBatch, tuple, bool]:
+    def build_batch(self, sequences: Sequence[ScheduledSequence], *, verify_len: int = 0
+                    ) -> tuple[StepBatch, tuple, bool]:
         """The step's arrays in the smallest bucket, written into that bucket's word buffer: (the batch of views
         into it, without the optional sampling arrays; those arrays in OPTIONAL_SAMPLING order; whether logprobs
-        must be fetched)."""
+        must be fetched). ``verify_len`` (a verification step): sequence i owns rows i*Tq .. i*Tq + Tq - 1 (its
+        fed tokens, then padding), and every row's logits are kept."""
         lens = [s.num_tokens for s in sequences]
-        total = sum(lens)
-        decode_only = all(s.num_tokens == 1 and s.context_len > 0 and not s.checkpoint_positions for s in sequences)
-        t, n, p, _ = self.buckets.pick(total, len(sequences), max(len(s.block_table) for s in sequences),
-                                       decode_only=decode_only)
-        views = self._buffers[(t, n, p, decode_only)].reset()
-        step = views.step
-        cu = step.cu_seqlens
-        cu[1:len(lens) + 1] = list(itertools.accumulate(lens))
-        cu[len(lens) + 1:] = total
-        step.token_ids[:total] = np.fromiter((tok for s in sequences for tok in s.token_ids), np.int32, total)
-        step.logits_indices[:len(lens)] = cu[1:len(lens) + 1] - 1
+        widest = max(len(s.block_table) for s in sequences)
+        if verify_len:
+            views, n = self._verify_views(len(sequences), widest, verify_len)
+            step = views.step
+            cu = step.cu_seqlens
+            cu[:len(lens) + 1] = np.arange(len(lens) + 1) * verify_len
+            cu[len(lens) + 1:] = len(lens) * verify_len
+            for i, seq in enumerate(sequences):
+                step.token_ids[i * verify_len:i * verify_len + len(seq.token_ids)] = seq.token_ids
+            step.logits_indices[...] = np.arange(n * verify_len)
+        else:
+            total = sum(lens)
+            decode_only = all(s.num_tokens == 1 and s.context_len > 0 and not s.checkpoint_positions
+                              for s in sequences)
+            t, n, p, _ = self.buckets.pick(total, len(sequences), widest, decode_only=decode_only)
+            views = self._buffers[(t, n, p, decode_only)].reset()
+            step = views.step
+            cu = step.cu_seqlens
+            cu[1:len(lens) + 1] = list(itertools.accumulate(lens))
+            cu[len(lens) + 1:] = total
+            step.token_ids[:total] = np.fromiter((tok for s in sequences for tok in s.token_ids), np.int32, total)
+            step.logits_indices[:len(lens)] = cu[1:len(lens) + 1] - 1
         for i, seq in enumerate(sequences):
             step.context_lens[i] = seq.context_len
             step.block_tables[i, :len(seq.block_table)] = seq.block_table
@@ -431,6 +563,7 @@ class ModelRunner:
             if seq.checkpoint_positions:
                 step.checkpoint_positions[i, :len(seq.checkpoint_positions)] = seq.checkpoint_positions
                 step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
+            views.draft_rows[i] = self._rows.get(seq.request_id, 0)
         rows = [s.request if s.is_sampled else None for s in sequences]
         views.sampling.fill_rows(rows, self.vocab_size)
         for i, seq in enumerate(sequences):
@@ -449,22 +582,32 @@ class ModelRunner:
                         for name in OPTIONAL_SAMPLING}
         return views, tuple(optional[name] for name in OPTIONAL_SAMPLING), with_logprobs
 
-    def _neutral_batch(self, t: int, n: int, p: int, decode_only: bool) -> StepBatch:
+    def _verify_views(self, num_seqs: int, num_pages: int, verify_len: int) -> tuple[StepBatch, int]:
+        """The reset word-buffer views of the smallest verification bucket for this step, and its N."""
+        if verify_len != self.verify_len:
+            raise ValueError(f"a verification step of {verify_len} rows per sequence, but the runner compiled "
+                             f"{self.verify_len}")
+        _, n, p, _ = self.buckets.pick(num_seqs, num_seqs, num_pages, decode_only=True)
+        return self._verify_buffers[(n, p)].reset(), n
+
+    def _neutral_batch(self, t: int, n: int, p: int, decode_only: bool, verify_len: int = 0) -> StepBatch:
         """A bucket's all-padding batch on the host (every optional sampling array present)."""
         sampling = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
                                                  always_penalties=True, always_bitmask=True)
         flag = np.asarray(False)
-        return StepBatch(self._empty_step(t, n, p, decode_only), sampling, flag, flag, flag, flag)
+        return StepBatch(self._empty_step(t, n, p, decode_only, verify_len), sampling, flag, flag, flag, flag,
+                         np.zeros(n, np.int32))
 
-    def _empty_step(self, t: int, n: int, p: int, decode_only: bool) -> StepInputs:
-        """Bucket-shaped StepInputs of padding only (every sequence empty, block 0, slot 0)."""
-        pc = self.config.max_checkpoints_per_seq
+    def _empty_step(self, t: int, n: int, p: int, decode_only: bool, verify_len: int = 0) -> StepInputs:
+        """Bucket-shaped StepInputs of padding only (every sequence empty, block 0, slot 0). A verification bucket
+        keeps every row's logits and one checkpoint column per fed row."""
+        pc = verify_len or self.config.max_checkpoints_per_seq
         return StepInputs(
             token_ids=np.zeros(t, np.int32), cu_seqlens=np.zeros(n + 1, np.int32),
             context_lens=np.zeros(n, np.int32), block_tables=np.zeros((n, p), np.int32),
-            state_slots=np.zeros(n, np.int32), logits_indices=np.zeros(n, np.int32),
+            state_slots=np.zeros(n, np.int32), logits_indices=np.zeros(t if verify_len else n, np.int32),
             checkpoint_positions=np.full((n, pc), -1, np.int32), checkpoint_slots=np.zeros((n, pc), np.int32),
-            decode_only=decode_only)
+            decode_only=decode_only, verify_len=verify_len)
 
     def _neutral_sampling(self, n: int) -> dict[str, jax.Array]:
         """Device-resident penalty and bitmask arrays that change nothing, for steps that do not use them."""

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve.engine.outputs import SampledTokens
+from serve.engine.outputs import SampledTokens, SpecTokens
 from serve.engine.request import Request
 
 jax.tree_util.register_dataclass(SampledTokens, data_fields=["token_ids", "logprobs", "top_token_ids",
-                                                             "top_logprobs"], meta_fields=[])
+                                                             "top_logprobs", "spec"], meta_fields=[])
+jax.tree_util.register_dataclass(SpecTokens, data_fields=["num_accepted", "emitted", "drafts", "num_drafts"],
+                                 meta_fields=[])
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -202,3 +204,26 @@ def sample(logits: jax.Array, params: SamplingTensors, *, num_top_logprobs: int 
         top_logprobs = jnp.zeros((num_rows, 0), jnp.float32)
         top_ids = jnp.zeros((num_rows, 0), jnp.int32)
     return SampledTokens(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   min_p: jax.Array) -> jax.Array:
+    """The distribution ``sample`` draws from, in vocabulary order: softmax(logits / T) restricted by min-p,
+    top-k and top-p (in that order) and renormalised. logits [R, V] f32 (bitmask and penalties already applied);
+    the per-row parameters [R]. Rows with temperature 0 get their argmax one-hot."""
+    num_rows, vocab = logits.shape
+    t = temperature[:, None]
+    scaled = logits / jnp.where(t > 0, t, 1.0)
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    keep = probs >= min_p[:, None] * probs[:, :1]
+    keep &= jnp.arange(vocab)[None, :] < top_k[:, None]
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    keep &= (jnp.cumsum(kept, axis=-1) - kept) < top_p[:, None]
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    rows = jnp.arange(num_rows)[:, None]
+    out = jnp.zeros_like(kept).at[rows, order].set(kept)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=out.dtype)
+    return jnp.where(t > 0, out, greedy)

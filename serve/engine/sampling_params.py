@@ -35,6 +35,8 @@ class SamplingParams:
     ``top_k`` 0 (or -1, vLLM's spelling) is off; ``max_tokens`` None means up to ``max_model_len``;
     ``logprobs`` None returns none, 0 only the sampled token's, k also the top k (k <= MAX_LOGPROBS);
     ``seed`` None draws a random seed when the request is created. ``stop`` may be given as one string.
+    ``speculative`` False keeps the request out of speculative decoding (its outputs are the same either way: only
+    its speed changes); requests with a grammar constraint, penalties or logprobs are never speculated.
     """
 
     n: int = 1
@@ -54,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     constraint_factory: Callable[[], TokenConstraint] | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +74,12 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts may be verified for this request (see the class docstring)."""
+        return (self.speculative and self.constraint_factory is None and not self.uses_penalties
+                and self.logprobs is None)
 
     def validate(self) -> "SamplingParams":
         """Check every field; returns self so calls can chain."""
@@ -100,6 +109,7 @@ class SamplingParams:
                  "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _require(self.constraint_factory is None or callable(self.constraint_factory), "constraint_factory",
                  "must be None or a callable returning a TokenConstraint")
+        _require(isinstance(self.speculative, bool), "speculative", f"must be a bool, got {self.speculative!r}")
         return self
 
 

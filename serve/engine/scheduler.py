@@ -16,6 +16,12 @@ step n+1 has run (its live state then covers every token, and becomes its final 
 * preemption by recompute: when a running request needs pages that are not there, the newest running
   request gives back everything (its state is kept as a checkpoint when prefix caching is on) and goes back
   to the front of the waiting queue.
+* speculative decoding (``SpeculativeConfig``): when every running request is decoding and nothing waits for
+  admission, the step verifies drafts: each sequence feeds its last token and up to k drafts (1 + k tokens of
+  budget per running request) and gets one fresh KDA slot per fed token for the state after it. Afterwards the
+  slot after the last accepted token becomes the live slot and the others are freed, so a rejected draft never
+  reaches the state the request continues from (and no state is copied). Drafts stop where max_tokens or
+  max_model_len would end the request anyway, and a request whose slots or pages do not fit verifies none.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ PENDING_TOKEN = -1
 
 import numpy as np
 
+from serve.engine import ngram
 from serve.engine.cache_manager import CacheConfig, CacheManager
-from serve.engine.outputs import SampledTokens
+from serve.engine.outputs import SampledTokens, SpecDecodeStats
 from serve.engine.request import Request, RequestStatus
+from serve.engine.spec_config import SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +79,8 @@ class ScheduledSequence:
     is_sampled            bool        the chunk ends at the request's last known token: the token sampled from
                                      its last row's logits is the request's next output token (rows of
                                      non-final prefill chunks are sampled by the runner and ignored)
+    num_drafts            int         verification steps: token_ids = [last token] + num_drafts drafts, and
+                                     checkpoint_positions / slots name the state after each fed token
     """
 
     request: Request
@@ -81,6 +91,7 @@ class ScheduledSequence:
     checkpoint_positions: list[int]
     checkpoint_slots: list[int]
     is_sampled: bool
+    num_drafts: int = 0
 
     @property
     def request_id(self) -> str:
@@ -111,6 +122,7 @@ class SchedulerOutput:
     freed_blocks: list[int]
     freed_slots: list[int]
     preempted_request_ids: list[str]
+    verify_len: int = 0  # 1 + k in a verification step (every sequence then owns that many rows), else 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -136,10 +148,14 @@ class SchedulerStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decode: SpecDecodeStats | None = None
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 speculative: SpeculativeConfig | None = None, *, draft_lookahead: int = 0):
+        """``draft_lookahead``: positions past a sampled token a device drafter writes (its draft block), given
+        pages when the request speculates."""
         pages = -(-(config.max_model_len - 1) // cache_config.block_size)
         if pages > cache_config.num_blocks - 1:
             raise ValueError(f"the page pool ({cache_config.num_blocks - 1} usable pages of "
@@ -155,6 +171,10 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._in_flight: deque[SchedulerOutput] = deque()
         self._draining: dict[str, Request] = {}
+        self.speculative = speculative
+        self.draft_lookahead = draft_lookahead
+        self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * speculative.num_speculative_tokens) \
+            if speculative else None
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -201,7 +221,7 @@ class Scheduler:
             slot_usage=cache.slots.usage, prefix_cache_queries=cache.stats.queries,
             prefix_cache_hits=cache.stats.hits, num_checkpoints=cache.checkpoint_count(),
             num_preemptions=self.num_preemptions, prompt_tokens=self.num_prompt_tokens,
-            generation_tokens=self.num_generation_tokens)
+            generation_tokens=self.num_generation_tokens, spec_decode=self.spec_stats)
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
@@ -211,6 +231,11 @@ class Scheduler:
         chunks: dict[str, tuple[int, list[int]]] = {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self._verifies(decoding, prefilling):
+            out = self._schedule_verify(decoding)
+            if out is not None:
+                self._in_flight.append(out)
+                return out
         for request in decoding + prefilling:
             if budget == 0:
                 break
@@ -234,6 +259,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.cache.pages.allocate(request, n)
                 scheduled.append((request, n, positions))
+                self._reserve_lookahead(request, n)
 
         if not preempted:
             budget = self._admit(budget, scheduled)
@@ -251,7 +277,7 @@ class Scheduler:
         running request is sampled by the step in flight, none has penalties or a grammar constraint (their
         host state needs the token), nothing waits, no checkpoint falls on the new position and the pages fit.
         Requests whose in-flight token is certainly their last (max_tokens, max_model_len) are left out."""
-        if len(self._in_flight) != 1 or self.waiting:
+        if len(self._in_flight) != 1 or self.waiting or self._speculating():
             return None
         rows = {seq.request.request_id: i for i, seq in enumerate(self._in_flight[0].sequences) if seq.is_sampled}
         plan: list[tuple[Request, int, int]] = []
@@ -294,8 +320,13 @@ class Scheduler:
         queued = {seq.request.request_id for seq in self._in_flight[0].sequences} if self._in_flight else set()
         changed = []
         tokens = np.asarray(sampled.token_ids).tolist()
+        spec = sampled.spec
         for row, seq in enumerate(output.sequences):
             request = seq.request
+            if output.verify_len:
+                if self._apply_verified(seq, row, sampled):
+                    changed.append(request)
+                continue
             if self._draining.pop(request.request_id, None) is not None:
                 # it stopped last step; this step fed its final token: keep the complete state
                 request.num_computed_tokens += seq.num_tokens
@@ -319,9 +350,146 @@ class Scheduler:
                     self._drain(request)
                 else:
                     self._retire(request, retain_state=True)
+            elif spec is not None and self.speculative.on_device:
+                request.draft_token_ids = np.asarray(spec.drafts[row, :int(spec.num_drafts[row])]).tolist()
             changed.append(request)
         self.cache.release_step_pins()
+        if self.speculative is not None and self.speculative.method == "ngram":
+            self._propose_ngrams()
         return changed
+
+    # ---- speculative decoding ----
+    def _propose_ngrams(self) -> None:
+        """Host drafts for every decoding request that may speculate (when the next step can verify)."""
+        spec = self.speculative
+        active = spec.speculates(len(self.running))
+        for request in self.running:
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            request.draft_token_ids = (ngram.propose(request.all_token_ids, spec.num_speculative_tokens,
+                                                     spec.prompt_lookup_min, spec.prompt_lookup_max)
+                                       if active and decoding and request.sampling_params.can_speculate else [])
+
+    def _speculating(self) -> bool:
+        """Drafts are verified in the next step (the batch is small enough) for some running request."""
+        spec = self.speculative
+        return (spec is not None and spec.speculates(len(self.running))
+                and any(r.draft_token_ids and r.sampling_params.can_speculate for r in self.running))
+
+    def _verifies(self, decoding: list[Request], prefilling: list[Request]) -> bool:
+        """The next step is a verification step: drafts exist, every running request decodes, and nothing that
+        could be admitted waits (admission goes first: a prefill chunk would make the step a mixed one)."""
+        if not self._speculating() or prefilling:
+            return False
+        return not (self.waiting and len(self.running) < self.config.max_num_seqs)
+
+    def _num_drafts(self, request: Request) -> int:
+        """Drafts worth verifying for ``request`` now: at most k, none past what max_tokens or max_model_len
+        still allow after the token the step draws itself."""
+        if not request.sampling_params.can_speculate:
+            return 0
+        room = self.config.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, min(len(request.draft_token_ids), self.speculative.num_speculative_tokens, room))
+
+    def _schedule_verify(self, decoding: list[Request]) -> SchedulerOutput | None:
+        """A verification step over every decoding request, or None when no request ends up with drafts (the
+        caller then schedules a plain decode step)."""
+        tq = 1 + self.speculative.num_speculative_tokens
+        budget = self.config.max_num_batched_tokens
+        plan: list[tuple[Request, int, list[int]]] = []
+        for request in decoding:
+            m = min(self._num_drafts(request), max(budget - 1, 0))
+            lookahead = self.draft_lookahead if m else 0
+            pages = self.cache.pages.num_new_pages(request, 1 + m + lookahead)
+            if m and not self.cache.pages.can_allocate(pages):
+                m, lookahead = 0, 0
+                pages = self.cache.pages.num_new_pages(request, 1)
+            if not self.cache.pages.can_allocate(pages):
+                self._release_slots(plan)
+                return None  # the plain step preempts
+            slots = [self.cache.slots.allocate_checkpoint() for _ in range(1 + m)]
+            if None in slots:
+                self.cache.slots.free_checkpoints([x for x in slots if x is not None])
+                self._release_slots(plan)
+                return None
+            self.cache.pages.allocate(request, 1 + m + lookahead)
+            plan.append((request, m, slots))
+            budget -= 1 + m
+        if not any(m for _, m, _ in plan):
+            self._release_slots(plan)
+            return None
+        sequences = []
+        for request, m, slots in plan:
+            start = request.num_computed_tokens
+            sequences.append(ScheduledSequence(
+                request=request, token_ids=[request.all_token_ids[-1]] + request.draft_token_ids[:m],
+                context_len=start, block_table=request.block_table, state_slot=request.state_slot,
+                checkpoint_positions=list(range(start + 1, start + 2 + m)), checkpoint_slots=slots,
+                is_sampled=True, num_drafts=m))
+        block_copies, slot_copies = self.cache.take_copies()
+        freed_blocks, freed_slots = self.cache.take_freed()
+        return SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [], verify_len=tq)
+
+    def _release_slots(self, plan: list[tuple[Request, int, list[int]]]) -> None:
+        for _, _, slots in plan:
+            self.cache.slots.free_checkpoints(slots)
+
+    def _reserve_lookahead(self, request: Request, n: int) -> None:
+        """Pages for a device drafter's block after the token this step samples for a speculating request (the
+        drafter writes its block there; without the pages its drafts are wasted, never wrong)."""
+        if (self.draft_lookahead and request.num_computed_tokens + n == request.num_tokens
+                and request.sampling_params.can_speculate and self.speculative.speculates(len(self.running))
+                and self.cache.pages.can_allocate(self.cache.pages.num_new_pages(request, n + self.draft_lookahead))):
+            self.cache.pages.allocate(request, n + self.draft_lookahead)
+
+    def _apply_verified(self, seq: ScheduledSequence, row: int, sampled: SampledTokens) -> bool:
+        """Append a verification row's accepted drafts and drawn token (stopping at a stop condition), keep the
+        KDA state after the last fed token that stays computed and free the other slots. True if the request
+        got tokens."""
+        request = seq.request
+        slots = seq.checkpoint_slots
+        if request.status != RequestStatus.RUNNING:
+            self.cache.slots.free_checkpoints(slots)
+            return False
+        accepted = int(sampled.spec.num_accepted[row])
+        emitted = np.asarray(sampled.spec.emitted[row, :accepted + 1]).tolist()
+        stats = self.spec_stats
+        if seq.num_drafts:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += seq.num_drafts
+            stats.num_accepted_tokens += accepted
+            for i in range(accepted):
+                stats.accepted_per_pos[i] += 1
+        if request.num_output_tokens == 0:
+            self.num_prompt_tokens += request.num_prompt_tokens
+        appended, stopped = 0, False
+        for token in emitted:
+            request.append_output_token(token)
+            appended += 1
+            self.num_generation_tokens += 1
+            if request.check_stop(self.config.max_model_len):
+                stopped = True
+                break
+        kept = appended  # fed tokens whose state stays: the last token and the accepted drafts before the end
+        old_live = request.state_slot
+        request.state_slot = slots[kept - 1]
+        request.num_computed_tokens += kept
+        interval = self.cache.config.retention_interval
+        checkpoints = [(seq.context_len + 1 + t, slots[t]) for t in range(kept - 1)
+                       if interval and (seq.context_len + 1 + t) % interval == 0]
+        held = {slot for _, slot in checkpoints}
+        self.cache.slots.free_checkpoints([s for t, s in enumerate(slots) if t >= kept or
+                                           (t < kept - 1 and s not in held)])
+        self.cache.slots.free_checkpoints([old_live])
+        self.cache.on_step_done(request, checkpoints)
+        request.draft_token_ids = []
+        if stopped:
+            self._retire(request, retain_state=True)
+        elif sampled.spec is not None and self.speculative.on_device:
+            request.draft_token_ids = np.asarray(sampled.spec.drafts[row, :int(sampled.spec.num_drafts[row])]).tolist()
+        return True
 
     # ---- internals ----
     def _admit(self, budget: int, scheduled: list[tuple[Request, int, list[int]]]) -> int:
@@ -371,6 +539,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.draft_token_ids = []
         self.cache.free_request(request, retain_state=True)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

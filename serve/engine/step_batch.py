@@ -24,7 +24,8 @@ OPTIONAL_SAMPLING = ("penalty_token_ids", "penalty_output_counts", "penalty_in_p
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["step", "sampling", "use_sampling", "use_bitmask", "use_penalties", "want_top_logprobs"],
+         data_fields=["step", "sampling", "use_sampling", "use_bitmask", "use_penalties", "want_top_logprobs",
+                      "draft_rows"],
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -34,6 +35,8 @@ class StepBatch:
     sampling    SamplingTensors with all optional arrays present (neutral when unused)
     use_sampling, use_bitmask, use_penalties, want_top_logprobs   [] bool: whether any row needs that stage
                 (use_sampling: a row with temperature > 0; otherwise the step skips the sampler's sort)
+    draft_rows  [N] int32: each sequence's row in the step before (speculative decoding with sampled drafts
+                reads the drafter's distributions there)
     """
 
     step: StepInputs
@@ -42,6 +45,7 @@ class StepBatch:
     use_bitmask: np.ndarray
     use_penalties: np.ndarray
     want_top_logprobs: np.ndarray
+    draft_rows: np.ndarray
 
 
 def split(batch: StepBatch) -> tuple[StepBatch, tuple]:

@@ -1,0 +1,134 @@
+"""Speculative decoding inside the step executable: verification of drafts and a device drafter's next drafts.
+
+A verification step (``StepInputs.verify_len = Tq = 1 + k``) feeds each sequence's last token and its drafts;
+the target's logits at all ``Tq`` rows go through the sequence's bitmask and penalties (neutral for speculating
+requests), are turned into the sampler's distributions and verified (``rejection.verify``). A DSpark drafter then
+runs in the same executable: every step (verification or not) caches the context latents of the rows it fed,
+and each sampled sequence gets the next block of drafts after its new token, so the host only reads tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.drafter import block_hidden, block_step, confidence, fuse_taps, markov_bias, write_context
+from kimi_jax.layers.common import rms_norm
+from kimi_jax.model import KimiModel, compute_logits
+from kimi_jax.step import HybridCache, StepInputs, token_layout
+from serve.engine import rejection
+from serve.engine.outputs import SampledTokens, SpecTokens
+from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, filtered_probs
+
+_DRAFT_SAMPLE = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPlan:
+    """The static part of a speculative engine's step executables.
+
+    method "ngram" | "draft_model" | "dspark"; num_tokens k; rejection / draft_sampling as in SpeculativeConfig;
+    min_confidence: dspark's confidence cut; taps: target layers the drafter reads; page_offset: its first page
+    layer in the MLA pool; drafter_graphdef / drafter_treedef: how to rebuild it from its flat parameters."""
+
+    method: str
+    num_tokens: int
+    rejection: str = "probabilistic"
+    draft_sampling: str = "greedy"
+    min_confidence: float = 0.0
+    taps: tuple[int, ...] = ()
+    page_offset: int = 0
+    drafter_graphdef: object = None
+    drafter_treedef: object = None
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.method == "dspark"
+
+
+def verify_rows(logits: jax.Array, step: StepInputs, sampling: SamplingTensors, prev_draft_probs: jax.Array | None,
+                draft_rows: jax.Array, plan: SpecPlan, *, greedy_only: bool) -> tuple[SampledTokens, SpecTokens]:
+    """logits [N*Tq, V] f32 of a verification step -> (the drawn token per sequence, SpecTokens).
+
+    Drafts are the fed tokens after each sequence's first; ``num_drafts`` = valid checkpoint positions - 1.
+    ``prev_draft_probs [R, k, V]`` (probabilistic drafting) holds the drafter's distributions of the step before,
+    row ``draft_rows[n]`` for sequence n; None: the drafts are one-hot (copied or greedy). ``greedy_only``
+    (static): every row is at temperature 0, so the distributions are not built."""
+    n, tq = step.num_seqs, step.verify_len
+    vocab = logits.shape[-1]
+    fed = step.token_ids.reshape(n, tq)
+    drafts = fed[:, 1:]
+    num_drafts = jnp.sum(step.checkpoint_positions >= 0, axis=1).astype(jnp.int32) - 1
+    num_drafts = jnp.maximum(num_drafts, 0)
+    keys = rejection.row_keys(sampling.seed_key_data, sampling.step_index)
+    if greedy_only:
+        target = logits.reshape(n, tq, vocab)
+        greedy = jnp.ones(n, bool)
+        q = None
+    else:
+        per_row = jax.tree.map(lambda a: jnp.repeat(a, tq, axis=0) if a is not None else None, sampling)
+        processed = apply_penalties(apply_bitmask(logits, per_row.allowed_bitmask), per_row)
+        target = filtered_probs(processed, per_row.temperature, per_row.top_k, per_row.top_p,
+                                per_row.min_p).reshape(n, tq, vocab)
+        greedy = sampling.temperature <= 0
+        q = None if prev_draft_probs is None else prev_draft_probs[jnp.maximum(draft_rows, 0)]
+    accepted, emitted = rejection.verify(target, drafts, num_drafts, q, greedy, keys, method=plan.rejection)
+    rows = jnp.arange(n)
+    token = emitted[rows, accepted]
+    if greedy_only:
+        logprob = jnp.zeros(n, jnp.float32)
+    else:
+        logprob = jax.nn.log_softmax(processed.reshape(n, tq, vocab)[rows, accepted], axis=-1)[rows, token]
+    empty = jnp.zeros((n, 0))
+    sampled = SampledTokens(token, logprob, empty.astype(jnp.int32), empty.astype(jnp.float32))
+    k = plan.num_tokens
+    return sampled, SpecTokens(accepted, emitted, jnp.zeros((n, k), jnp.int32), jnp.zeros(n, jnp.int32))
+
+
+def draft_next(plan: SpecPlan, model: KimiModel, drafter_params: list, cache: HybridCache, step: StepInputs,
+               taps: jax.Array, first_tokens: jax.Array, positions: jax.Array, sampling: SamplingTensors,
+               step_index: jax.Array, *, impl: str | None, finite_pages: bool
+               ) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array | None]:
+    """Cache this step's context latents and draft the next block of each sequence (DSpark).
+
+    taps [n_taps, T, D]: the target's tapped residuals of every fed row; first_tokens [N]: each sequence's new
+    token, at ``positions [N]``; step_index [N]: output tokens the request will have before the drafts (keys the
+    draft sampling). -> (cache, drafts [N, k], num_drafts [N], the drafter's distributions [N, k, V] when drafts
+    are sampled, else None)."""
+    drafter = nnx.merge(plan.drafter_graphdef, jax.tree.unflatten(plan.drafter_treedef, drafter_params))
+    layout = token_layout(step)
+    fused = fuse_taps(drafter, taps, impl=impl)
+    pages, scales = write_context(drafter, cache.mla, cache.mla_scales, fused, step, layout, plan.page_offset,
+                                  impl=impl)
+    k = plan.num_tokens
+    block = block_step(first_tokens, positions, step.block_tables, 1 + k)
+    hidden, pages, scales = block_hidden(drafter, model.embed[...], pages, scales, block, plan.page_offset,
+                                         impl=impl, finite_pages=finite_pages)
+    n = first_tokens.shape[0]
+    normed = rms_norm(hidden, drafter.norm[...], model.config.rms_norm_eps)
+    base = compute_logits(model, normed).reshape(n, 1 + k, -1)
+    conf = confidence(drafter, hidden).reshape(n, 1 + k)[:, 1:]
+    keys = rejection.row_keys(sampling.seed_key_data, step_index)
+    sample = plan.draft_sampling == "probabilistic"
+    temperature = sampling.temperature[:, None]
+    previous, drafts, probs = first_tokens, [], []
+    for i in range(k):
+        logits = base[:, 1 + i] + markov_bias(drafter, previous)
+        if sample:
+            q = jax.nn.softmax(logits / jnp.where(temperature > 0, temperature, 1.0), axis=-1)
+            q = jnp.where(temperature > 0, q, jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1]))
+            token = rejection.categorical(jax.vmap(lambda key: jax.random.fold_in(key, _DRAFT_SAMPLE + i))(keys), q)
+            probs.append(q)
+        else:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(token)
+        previous = token
+    if plan.min_confidence > 0:
+        num = jnp.sum(jnp.cumprod(conf, axis=1) >= plan.min_confidence, axis=1)  # a prefix: the product falls
+    else:
+        num = jnp.full(n, k)
+    cache = dataclasses.replace(cache, mla=pages, mla_scales=scales)
+    return cache, jnp.stack(drafts, 1), num.astype(jnp.int32), jnp.stack(probs, 1) if sample else None
