@@ -37,18 +37,18 @@ def parse_call(body: list[Event]) -> tuple[str, str | None, dict | None]:
 
 class K2OutputParser(StreamingOutputParser):
     """Parse a K2-format completion as it streams (the prompt ends with `<|im_assistant|>assistant<|im_middle|>`;
-    a leading `<think>` opens reasoning). tools: as for K3OutputParser."""
+    a leading `<think>` opens reasoning). tools, split_reasoning: as for K3OutputParser."""
 
-    def __init__(self, *, tools: Any = None):
+    def __init__(self, *, tools: Any = None, split_reasoning: bool = True):
         tokens = (THINK_OPEN, THINK_CLOSE, *SECTION_BEGIN, *SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END)
-        super().__init__(MarkerScanner(fixed_token_matcher(tokens)), tools)
+        super().__init__(MarkerScanner(fixed_token_matcher(tokens)), tools, split_reasoning)
         self._state = START
         self._space = ""  # whitespace outside think/content, kept only if text follows before a marker
         self._call: list[Event] = []
 
     def _emit(self, text: str, delta: ParsedDelta) -> None:
         if self._state == THINK:
-            delta.reasoning += text
+            self._add_reasoning(delta, text)
         elif self._state == CONTENT:
             delta.content += text
         elif not text.strip():

@@ -44,7 +44,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def server(tokenizer):
     engine = FakeAsyncEngine(tokenizer, max_model_len=1024)
-    app = build_app(engine, ServerConfig((MODEL, "alias"), "tiny", enable_auto_tool_choice=True))
+    app = build_app(engine, ServerConfig((MODEL, "alias"), "tiny", enable_auto_tool_choice=True,
+                                         split_reasoning=True))  # as with --reasoning-parser kimi_k3
     with serve_in_thread(app) as url:
         yield engine, url
 
@@ -157,6 +158,33 @@ def test_chat_reasoning_split_stream_and_not(client, engine, tokenizer):
     assert (reasoning, content, roles) == (message.reasoning_content, message.content, ["assistant"])
     assert usage.completion_tokens == response.usage.completion_tokens
     assert usage.prompt_tokens == response.usage.prompt_tokens
+
+
+def test_without_a_reasoning_parser_everything_is_content(tokenizer):
+    """No --reasoning-parser: reasoning_content is never set, the thinking text is content (streamed too), and a
+    constrained turn closes the think channel at once so content is just the JSON."""
+    engine = FakeAsyncEngine(tokenizer, max_model_len=1024)
+    with serve_in_thread(build_app(engine, ServerConfig((MODEL,), "tiny"))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        engine.reply = lambda *_: k3_reply("Let me think: 2 + 2 = 4. ", "The answer is 4.")
+        message = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message
+        assert message.content == "Let me think: 2 + 2 = 4. The answer is 4."
+        assert getattr(message, "reasoning_content", None) is None
+        engine.reply = lambda *_: "thinking that never ends"  # the model stays in the think channel
+        message = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50).choices[0].message
+        assert message.content == "thinking that never ends" and getattr(message, "reasoning_content", None) is None
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "thinking that never ends"
+        assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
+        engine.reply = lambda *_: k3_reply("Bob is forty.", '{"name": "Bob"}')
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                  "additionalProperties": False}
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=100,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        assert schema_error(json.loads(response.choices[0].message.content), schema) is None
+        assert tokenizer.decode(engine.received[response.id][0]).endswith("<|open|>think<|sep|>")  # thinking on
 
 
 def test_chat_n_seed_and_logprobs(client, engine):
@@ -361,7 +389,7 @@ def test_k2_chat_format():
     k2 = load_tokenizer("tiny-k2")
     engine = FakeAsyncEngine(k2, max_model_len=1024)
     with serve_in_thread(build_app(engine, ServerConfig((MODEL,), "tiny-k2", chat_format="k2",
-                                                        enable_auto_tool_choice=True))) as url:
+                                                        enable_auto_tool_choice=True, split_reasoning=True))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         reply = ('<think>Paris needs a lookup.</think><|tool_calls_section_begin|><|tool_call_begin|>'
                  'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
