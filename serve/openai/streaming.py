@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -12,13 +13,23 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
+from serve.openai.errors import APIError, internal_server_error
+
+logger = logging.getLogger(__name__)
+
 SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
 
 
 def sse_error_event(err: Exception) -> str:
-    """The in-band error event of a stream whose status line is already sent (vLLM does the same)."""
-    return sse_event({"error": {"message": str(err), "type": "internal_server_error", "param": None, "code": None}})
+    """The in-band error event of a stream whose status line is already sent (vLLM does the same).
+
+    An `APIError` is told as it is; any other exception only as "Internal server error" (logged here).
+    """
+    if not isinstance(err, APIError):
+        logger.error("error in a stream", exc_info=err)
+        err = internal_server_error()
+    return sse_event(err.body())
 
 
 def sse_event(payload: BaseModel | dict) -> str:
