@@ -78,10 +78,12 @@ class K3OutputParser(StreamingOutputParser):
       completion starts inside the think channel; False when it ended with `<|open|>response<|sep|>`.
     tools: the request's tools for validation (see StreamingOutputParser); None accepts any call.
     split_reasoning: think-channel text as `reasoning` (True) or as content (False; see serve.chat.parsed).
+    constrained: generated under a K3 grammar (see StreamingOutputParser).
     """
 
-    def __init__(self, *, thinking: bool, tools: Any = None, split_reasoning: bool = True):
-        super().__init__(MarkerScanner(xtml_matcher(OPEN, CLOSE, SEP, (END_OF_MSG,))), tools, split_reasoning)
+    def __init__(self, *, thinking: bool, tools: Any = None, split_reasoning: bool = True, constrained: bool = False):
+        super().__init__(MarkerScanner(xtml_matcher(OPEN, CLOSE, SEP, (END_OF_MSG,))), tools, split_reasoning,
+                         constrained)
         self._state = THINK if thinking else RESPONSE
         self._call: list[Event] = []
         self._has_output = False
@@ -159,4 +161,5 @@ class K3OutputParser(StreamingOutputParser):
 
     def _on_end(self, delta: ParsedDelta) -> None:
         if self._state == CALL:
-            self._abandon_call(delta)
+            self._unfinished_call(delta, raw_text(self._call))
+            self._state, self._call = TOOLS, []

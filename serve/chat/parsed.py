@@ -52,12 +52,17 @@ class StreamingOutputParser(abc.ABC):
     Subclasses turn scanner events into delta text via `_on_event` and `_on_end`.
     """
 
-    def __init__(self, scanner: MarkerScanner, tools: Any, split_reasoning: bool = True):
+    def __init__(self, scanner: MarkerScanner, tools: Any, split_reasoning: bool = True, constrained: bool = False):
         """tools: the request's OpenAI tools; calls are checked against them (unknown name or schema
         violation -> the call's raw text becomes content). None: calls are accepted without checks.
-        split_reasoning: thinking text goes to `reasoning` (True) or into `content` (False; see the module)."""
+        split_reasoning: thinking text goes to `reasoning` (True) or into `content` (False; see the module).
+        constrained: the completion was generated under a grammar of this chat format (serve.openai.grammars),
+          so its markers are structure, not text: when the stream ends cut off (max_tokens), a partial marker and
+          an unfinished call are dropped, leaving content a prefix of the constrained value. Otherwise they are
+          kept as text, like everything that does not parse."""
         self._scanner = scanner
         self._split_reasoning = split_reasoning
+        self._constrained = constrained
         self._schemas = None if tools is None else tool_schemas(tools)
         self._reasoning: list[str] = []
         self._content: list[str] = []
@@ -75,6 +80,8 @@ class StreamingOutputParser(abc.ABC):
     def flush(self) -> ParsedDelta:
         delta = ParsedDelta()
         if not self._is_flushed:
+            if self._constrained:
+                self._scanner.discard()
             for event in self._scanner.flush():
                 self._on_event(event, delta)
             self._on_end(delta)
@@ -97,6 +104,11 @@ class StreamingOutputParser(abc.ABC):
             delta.reasoning += text
         else:
             delta.content += text
+
+    def _unfinished_call(self, delta: ParsedDelta, raw: str) -> None:
+        """A call the stream ended inside: its raw text as content, or nothing when constrained."""
+        if not self._constrained:
+            delta.content += raw
 
     def _accept_call(self, delta: ParsedDelta, name: str | None, arguments: dict | None, raw: str,
                      call_id: str) -> None:

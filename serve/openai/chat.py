@@ -53,11 +53,12 @@ def constrained_think_tokens(max_tokens: int, split_reasoning: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a validated chat request turns into."""
+    """What a validated chat request turns into (`constrained`: set once the constraint is known)."""
     prompt_ids: list[int]
     thinking: bool
     tools: list[dict]
     tool_choice: str | dict
+    constrained: bool = False
 
 
 def _tool_choice(request: ChatCompletionRequest, tools: list[dict], enable_auto: bool) -> str | dict:
@@ -155,10 +156,10 @@ class ChatHandler:
             raise bad_request(f"Invalid tool parameters schema: {err}", param="tools") from err
 
     def _new_parser(self, plan: _Plan):
-        split = self._config.split_reasoning
+        options = dict(tools=plan.tools, split_reasoning=self._config.split_reasoning, constrained=plan.constrained)
         if self._config.chat_format == "k3":
-            return K3OutputParser(thinking=plan.thinking, tools=plan.tools, split_reasoning=split)
-        return K2OutputParser(tools=plan.tools, split_reasoning=split)
+            return K3OutputParser(thinking=plan.thinking, **options)
+        return K2OutputParser(**options)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         if request.top_logprobs is not None and not request.logprobs:
@@ -168,9 +169,11 @@ class ChatHandler:
         max_tokens = resolve_max_tokens(getattr(request, param), len(plan.prompt_ids), self._engine.max_model_len,
                                         param=param)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
+        constraint = self._constraint(request, plan, max_tokens)
+        plan = dataclasses.replace(plan, constrained=constraint is not None)
         params = build_sampling_params(request, max_tokens=max_tokens, logprobs=top_k,
                                        vocab_size=self._tokenizer.vocab_size, skip_special_tokens=False,
-                                       constraint_factory=self._constraint(request, plan, max_tokens))
+                                       constraint_factory=constraint)
         request_id = new_id("chatcmpl")
         outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id)
         if request.stream:

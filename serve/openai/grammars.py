@@ -12,9 +12,9 @@ itself:
   and never call;
 * a K3 argument element ends only at `<|close|>`, a token a weak model may never pick: the raw text of a string
   argument is bounded by its enum or maxLength, else by its share of the tokens left for the calls
-  (`call_tokens`, less the call's markup, shared between the arguments); a plain number argument by 18
-  digits before the point, 18 after and a 2-digit exponent; the call index is spelled out (1, 2, ...; at
-  most MAX_CALLS calls);
+  (`call_tokens`, less the call's markup, shared between the arguments); a plain number argument (no
+  bounds, enum, ... in its schema) to as many characters as its share; the call index is spelled out
+  (1, 2, ...; at most MAX_CALLS calls);
 * JSON values (the response_format body, non-string arguments) end at their own closing quote, bracket or
   brace, as the schema (with compact separators) allows.
 
@@ -45,11 +45,27 @@ _ALL_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array
 _XTML_TYPE_OF = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean",
                  "null": "null", "object": "object", "array": "array"}
 _ANNOTATIONS = {"type", "title", "description", "default", "examples", "$comment"}
-# Plain numbers with at most 18 digits before and after the point (more than a double holds) and a 2-digit
-# exponent (finite as a double): a number element ends only at `<|close|>`, so an unbounded digit run would let
-# a model write digits until max_tokens.
-_BOUNDED_NUMBER = {"integer": r"/-?(0|[1-9][0-9]{0,17})/",
-                   "number": r"/-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,18})?([eE][+-]?[0-9]{1,2})?/"}
+_MAX_DIGITS = 18  # a plain number's digits before and after the point: more than a double holds
+
+
+def _bounded_number(json_type: str, chars: int | None = None) -> str:
+    """The regex of a plain JSON number of at most `chars` characters (so at most that many tokens; None: 18
+    digits before the point, 18 after and a 2-digit exponent, finite as a double).
+
+    A number element ends only at `<|close|>`, so an unbounded digit run would let a model write digits until
+    max_tokens; the bound is split between the integer part and, for "number", the fraction and exponent.
+    """
+    if chars is None:
+        whole, fraction, exponent = _MAX_DIGITS, _MAX_DIGITS, True
+    else:
+        room = max(1, chars - 1)  # less the sign
+        whole = min(_MAX_DIGITS, room if json_type == "integer" or room < 3 else room // 2)
+        fraction = min(_MAX_DIGITS, room - whole - 1)  # less the point
+        exponent = room - whole - 1 - fraction >= 4
+    number = ("-?" if chars is None or chars >= 2 else "") + f"(0|[1-9][0-9]{{0,{whole - 1}}})"
+    if json_type == "number" and fraction >= 1:
+        number += f"(\\.[0-9]{{1,{fraction}}})?" + ("([eE][+-]?[0-9]{1,2})?" if exponent else "")
+    return f"/{number}/"
 
 
 def _compact(schema: dict) -> dict:
@@ -251,7 +267,7 @@ class K3Grammars:
                     if value == f"text_{i}_{j}":
                         rules.append(f"text_{i}_{j}" + (f"[max_tokens={text_tokens}]" if text_tokens else "") + ": TEXT")
                 else:
-                    value = _number_value(t, sub) if t in _BOUNDED_NUMBER else _json_expr(sub)
+                    value = _number_value(t, sub, text_tokens) if t in ("integer", "number") else _json_expr(sub)
                 alternatives.append(f'{self._start(f"argument key=\"{_attr(key)}\" type=\"{_XTML_TYPE_OF[t]}\"")} '
                                     f'{value} {self._stop("argument")}')
             rules.append(f"{rule}: " + " | ".join(alternatives))
@@ -272,11 +288,11 @@ def _string_value(schema: dict, free_text_rule: str) -> str:
     return free_text_rule
 
 
-def _number_value(json_type: str, schema: dict) -> str:
-    """A number element's JSON: a bounded plain number when the schema says no more than its type, else the
-    schema's own grammar (its bounds, enum, multipleOf, ...)."""
+def _number_value(json_type: str, schema: dict, tokens: int | None) -> str:
+    """A number element's JSON: a plain number of at most `tokens` characters when the schema says no more than
+    its type, else the schema's own grammar (its bounds, enum, multipleOf, ...)."""
     if set(schema) <= _ANNOTATIONS:
-        return _BOUNDED_NUMBER[json_type]
+        return _bounded_number(json_type, tokens)
     return _json_expr(schema)
 
 

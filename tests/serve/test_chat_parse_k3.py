@@ -128,6 +128,17 @@ def test_without_reasoning_split_the_think_text_is_content():
     assert (message.reasoning_content, message.content) == ("", "never closes")
 
 
+def test_constrained_output_cut_off_drops_its_partial_marker_and_unfinished_call():
+    """Under a grammar a cut-off tail is structure, not text; unconstrained it is kept."""
+    cut_header = "r<|close|>think<|sep|><|open|>resp"
+    unfinished = WEATHER_CALL[:-len("<|close|>call<|sep|>")]
+    cut_call = f"r<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>{unfinished}"
+    for text, kept in ((cut_header, "<|open|>resp"), (cut_call, unfinished)):
+        constrained = parse_in_all_chunkings(lambda: K3OutputParser(thinking=True, tools=TOOLS, constrained=True), text)
+        assert (constrained.reasoning_content, constrained.content, constrained.tool_calls) == ("r", "", [])
+        assert parse(text).content == kept
+
+
 def test_without_declared_tools_calls_are_accepted_unchecked():
     call = WEATHER_CALL.replace("get_weather", "anything")
     message = parse(f"<|close|>think<|sep|><|open|>tools<|sep|>{call}", tools=None)

@@ -172,13 +172,14 @@ def _adversary_completion(constraint, tokenizer, limit: int = 400) -> list[int]:
 
 
 @pytest.mark.parametrize("thinking", [True, False])
-@pytest.mark.parametrize("call_tokens", [100, 300])  # the markup alone takes about 86
+@pytest.mark.parametrize("call_tokens", [140, 300])  # the markup alone takes about 120
 def test_k3_free_text_arguments_fit_the_call_budget(k3, thinking, call_tokens):
     """An adversary that never picks `<|close|>` while anything else is allowed still completes the call, all
-    arguments present, within call_tokens: free string text stops at its share."""
+    arguments present, within call_tokens: free string text and plain numbers stop at their shares."""
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {
-        "type": "object", "required": ["path", "text"],
-        "properties": {"path": {"type": "string"}, "text": {"type": "string"}, "mode": {"enum": ["w", "a"]}}}}}]
+        "type": "object", "required": ["path", "text", "size", "offset"],
+        "properties": {"path": {"type": "string"}, "text": {"type": "string"}, "mode": {"enum": ["w", "a"]},
+                       "size": {"type": "integer"}, "offset": {"type": "number"}}}}}]
     constraint = ConstraintFactory(k3, K3Grammars(k3).tool_calls(tools, thinking=thinking, multiple=False,
                                                                  call_tokens=call_tokens))()
     ids = _adversary_completion(constraint, k3)
@@ -187,7 +188,8 @@ def test_k3_free_text_arguments_fit_the_call_budget(k3, thinking, call_tokens):
     parser.feed(k3.decode(ids))
     [call] = parser.finish().tool_calls
     arguments = json.loads(call.arguments)
-    assert set(arguments) == {"path", "text", "mode"} and arguments["path"] and arguments["text"]
+    assert set(arguments) == {"path", "text", "mode", "size", "offset"} and arguments["path"] and arguments["text"]
+    assert isinstance(arguments["size"], int) and isinstance(arguments["offset"], (int, float))
     if call_tokens == 300:
         assert len(ids) > 200  # the shares are used, not just a token each
 
