@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from sse_starlette import ServerSentEvent
 
 from serve.chat import K2OutputParser, K3OutputParser, encode_chat, render_k2, render_k3
 from serve.chat.parsed import ParsedDelta, ToolCallDelta
@@ -214,7 +215,7 @@ class ChatHandler:
                                                   total_tokens=num_prompt + num_generated))
 
     async def _stream(self, request: ChatCompletionRequest, plan: _Plan, request_id: str,
-                      outputs: AsyncIterator) -> AsyncIterator[str]:
+                      outputs: AsyncIterator) -> AsyncIterator[ServerSentEvent]:
         created, model = now(), self._config.model_name
         timer = self._metrics.timer()
         parsers = [self._new_parser(plan) for _ in range(request.n)]
@@ -228,13 +229,13 @@ class ChatHandler:
             generated = sum(sent_tokens)
             return Usage(prompt_tokens=num_prompt, completion_tokens=generated, total_tokens=num_prompt + generated)
 
-        def chunk(index: int, delta: ChatDelta, **fields: Any) -> str:
+        def chunk(index: int, delta: ChatDelta, **fields: Any) -> ServerSentEvent:
             return sse_event(ChatCompletionChunk(
                 id=request_id, created=created, model=model,
                 choices=[ChatChunkChoice(index=index, delta=delta, **fields)],
                 usage=usage() if continuous else None))
 
-        def choice_chunks(out) -> list[str]:
+        def choice_chunks(out) -> list[ServerSentEvent]:
             """The chunks one engine output adds to choice `out.index` (text delta, then finish)."""
             i = out.index
             parsed = parsers[i].feed(out.text[sent_text[i]:])

@@ -334,6 +334,33 @@ def test_disconnect_mid_stream_aborts(server, engine):
     assert _wait_for(lambda: engine.stats().num_running == 0)
 
 
+def test_disconnect_mid_chat_stream_aborts(server, engine):
+    engine.reply = lambda *_: k3_reply("thinking " * 200, "answer")
+    before = set(engine.received)
+    with httpx.Client(base_url=server[1]) as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True}) as response:
+            assert sum(1 for _, line in zip(range(3), response.iter_lines()) if line.startswith("data: {")) >= 1
+    [request_id] = set(engine.received) - before
+    assert _wait_for(lambda: request_id in engine.aborted)
+    assert _wait_for(lambda: engine.stats().num_running == 0)
+
+
+def test_sse_wire_format(server, engine):
+    """`data: JSON` events separated by a blank line (LF, as vLLM), usage chunk, then `data: [DONE]`."""
+    engine.reply = lambda *_: "a b c"
+    response = httpx.post(server[1] + "/v1/completions", json={
+        "model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
+    events = [e for e in response.text.split("\n\n") if e and not e.startswith(":")]  # ":" lines are pings
+    assert response.text.endswith("data: [DONE]\n\n") and "\r" not in response.text
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in payloads if p["choices"]) == "a b c"
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] >= 3
+
+
 def test_disconnect_while_waiting_for_non_streaming_answer_aborts(server, engine):
     engine.reply = lambda *_: " ".join(["word"] * 1000)  # >= 1.6 s at 2 ms per step: outlives the client
     before = set(engine.received)
