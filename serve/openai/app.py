@@ -18,7 +18,6 @@ import secrets
 from http import HTTPStatus
 
 import numpy as np
-
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -265,7 +265,8 @@ class K3Grammars:
                 if t == "string":
                     value = _string_value(sub, f"text_{i}_{j}")
                     if value == f"text_{i}_{j}":
-                        rules.append(f"text_{i}_{j}" + (f"[max_tokens={text_tokens}]" if text_tokens else "") + ": TEXT")
+                        bound = f"[max_tokens={text_tokens}]" if text_tokens else ""
+                        rules.append(f"text_{i}_{j}{bound}: TEXT")
                 else:
                     value = _number_value(t, sub, text_tokens) if t in ("integer", "number") else _json_expr(sub)
                 alternatives.append(f'{self._start(f"argument key=\"{_attr(key)}\" type=\"{_XTML_TYPE_OF[t]}\"")} '

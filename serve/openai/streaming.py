@@ -4,8 +4,9 @@ SSE framing, keep-alive pings (a `: ping` comment every 15 s, which clients skip
 detection are sse-starlette's `EventSourceResponse`: on `http.disconnect` it cancels the task that iterates the
 handler's event generator (thrown into the generator while it awaits the engine, or an `aclose()` when it
 was cut in a send), which runs the generator's cleanup (`aclosing(outputs)` -> `generate_or_abort` ->
-`engine.abort`), and the engine frees the request's cache. Events are `data: JSON` lines with `\n` separators (as vLLM sends them), the stream ends
-with `data: [DONE]`, and an error after the status line is an in-band error event.
+`engine.abort`), and the engine frees the request's cache. Events are `data: JSON` lines with `\n`
+separators (as vLLM sends them), the stream ends with `data: [DONE]`, and an error after the status line is
+an in-band error event.
 """
 
 from __future__ import annotations

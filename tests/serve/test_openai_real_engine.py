@@ -273,7 +273,8 @@ def test_json_schema_with_a_reasoning_parser_thinks_then_answers(reasoning_clien
 
 TOOLS = [  # short: with the thinking-effort and tool-choice messages the prompt takes ~400 of 512 tokens
     {"type": "function", "function": {"name": "read_file", "parameters": {
-        "type": "object", "required": ["path"], "properties": {"path": {"type": "string"}, "mode": {"enum": ["r", "rb"]}}}}},
+        "type": "object", "required": ["path"],
+        "properties": {"path": {"type": "string"}, "mode": {"enum": ["r", "rb"]}}}}},
     {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "required": ["a", "b"],
         "properties": {"a": {"type": "number"}, "b": {"type": "integer"}, "exact": {"type": "boolean"}}}}},
