@@ -36,6 +36,11 @@ class MarkerScanner:
         """Everything still held back, a partial marker becoming plain text."""
         return self._scan(final=True)
 
+    def discard(self) -> str:
+        """Drop what is held back (a tail that could still become a marker); returns it."""
+        held, self._buffer = self._buffer, ""
+        return held
+
     def _scan(self, final: bool) -> list[Event]:
         events: list[Event] = []
         buffer = self._buffer

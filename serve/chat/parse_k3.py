@@ -77,10 +77,13 @@ class K3OutputParser(StreamingOutputParser):
     thinking: True when the prompt ended with `<|open|>think<|sep|>` (render_k3(thinking=True)), so the
       completion starts inside the think channel; False when it ended with `<|open|>response<|sep|>`.
     tools: the request's tools for validation (see StreamingOutputParser); None accepts any call.
+    split_reasoning: think-channel text as `reasoning` (True) or as content (False; see serve.chat.parsed).
+    constrained: generated under a K3 grammar (see StreamingOutputParser).
     """
 
-    def __init__(self, *, thinking: bool, tools: Any = None):
-        super().__init__(MarkerScanner(xtml_matcher(OPEN, CLOSE, SEP, (END_OF_MSG,))), tools)
+    def __init__(self, *, thinking: bool, tools: Any = None, split_reasoning: bool = True, constrained: bool = False):
+        super().__init__(MarkerScanner(xtml_matcher(OPEN, CLOSE, SEP, (END_OF_MSG,))), tools, split_reasoning,
+                         constrained)
         self._state = THINK if thinking else RESPONSE
         self._call: list[Event] = []
         self._has_output = False
@@ -88,7 +91,7 @@ class K3OutputParser(StreamingOutputParser):
 
     def _emit(self, text: str, delta: ParsedDelta) -> None:
         if self._state == THINK:
-            delta.reasoning += text
+            self._add_reasoning(delta, text)
         elif self._state == RESPONSE:
             delta.content += text
         elif text.strip():
@@ -158,4 +161,5 @@ class K3OutputParser(StreamingOutputParser):
 
     def _on_end(self, delta: ParsedDelta) -> None:
         if self._state == CALL:
-            self._abandon_call(delta)
+            self._unfinished_call(delta, raw_text(self._call))
+            self._state, self._call = TOOLS, []

@@ -1,4 +1,12 @@
-"""Parsed model output (reasoning / content / tool calls) and the streaming base shared by K3 and K2 parsers."""
+"""Parsed model output (reasoning / content / tool calls) and the streaming base shared by K3 and K2 parsers.
+
+Reasoning split: a parser made with `split_reasoning=True` (the server's `--reasoning-parser`) returns the
+thinking channel's text as `reasoning` and only the response text as `content`; text arrives as content
+whenever the model is not inside a thinking section (it never opened one, or has closed it). With
+`split_reasoning=False` there is no `reasoning` at all: the thinking text is content too, in generation
+order (channel markers are structure and are dropped either way), so a model that never leaves its think
+channel still answers in `content`.
+"""
 
 import abc
 import dataclasses
@@ -44,10 +52,17 @@ class StreamingOutputParser(abc.ABC):
     Subclasses turn scanner events into delta text via `_on_event` and `_on_end`.
     """
 
-    def __init__(self, scanner: MarkerScanner, tools: Any):
+    def __init__(self, scanner: MarkerScanner, tools: Any, split_reasoning: bool = True, constrained: bool = False):
         """tools: the request's OpenAI tools; calls are checked against them (unknown name or schema
-        violation -> the call's raw text becomes content). None: calls are accepted without checks."""
+        violation -> the call's raw text becomes content). None: calls are accepted without checks.
+        split_reasoning: thinking text goes to `reasoning` (True) or into `content` (False; see the module).
+        constrained: the completion was generated under a grammar of this chat format (serve.openai.grammars),
+          so its markers are structure, not text: when the stream ends cut off (max_tokens), a partial marker and
+          an unfinished call are dropped, leaving content a prefix of the constrained value. Otherwise they are
+          kept as text, like everything that does not parse."""
         self._scanner = scanner
+        self._split_reasoning = split_reasoning
+        self._constrained = constrained
         self._schemas = None if tools is None else tool_schemas(tools)
         self._reasoning: list[str] = []
         self._content: list[str] = []
@@ -65,6 +80,8 @@ class StreamingOutputParser(abc.ABC):
     def flush(self) -> ParsedDelta:
         delta = ParsedDelta()
         if not self._is_flushed:
+            if self._constrained:
+                self._scanner.discard()
             for event in self._scanner.flush():
                 self._on_event(event, delta)
             self._on_end(delta)
@@ -81,14 +98,27 @@ class StreamingOutputParser(abc.ABC):
         self._tool_calls.extend(delta.tool_calls)
         return delta
 
+    def _add_reasoning(self, delta: ParsedDelta, text: str) -> None:
+        """Thinking-channel text: `reasoning`, or content when reasoning is not split off."""
+        if self._split_reasoning:
+            delta.reasoning += text
+        else:
+            delta.content += text
+
+    def _unfinished_call(self, delta: ParsedDelta, raw: str) -> None:
+        """A call the stream ended inside: its raw text as content, or nothing when constrained."""
+        if not self._constrained:
+            delta.content += raw
+
     def _accept_call(self, delta: ParsedDelta, name: str | None, arguments: dict | None, raw: str,
                      call_id: str) -> None:
         """Emit a tool call, or its raw text as content when it cannot be a valid call."""
         num_calls = len(self._tool_calls) + len(delta.tool_calls)
         valid = name is not None and arguments is not None and (
             self._schemas is None or (name in self._schemas and schema_error(arguments, self._schemas[name]) is None))
-        if valid:
-            delta.tool_calls.append(ToolCallDelta(num_calls, call_id, name, json.dumps(arguments, ensure_ascii=False)))
+        text = _json_text(arguments) if valid else None
+        if text is not None:
+            delta.tool_calls.append(ToolCallDelta(num_calls, call_id, name, text))
         else:
             delta.content += raw
 
@@ -99,6 +129,14 @@ class StreamingOutputParser(abc.ABC):
     @abc.abstractmethod
     def _on_end(self, delta: ParsedDelta) -> None:
         """End of stream: flush held-back text into ``delta``."""
+
+
+def _json_text(value: Any) -> str | None:
+    """`value` as JSON text; None when it holds a number JSON cannot spell (`1e999` parsed to infinity, NaN)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
 
 
 def raw_text(events: list[Event]) -> str:

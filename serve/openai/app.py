@@ -1,12 +1,23 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics, API-key check, and OpenAI-style error bodies."""
+"""The FastAPI app: OpenAI routes, /health, /metrics, API-key check, and OpenAI-style error bodies.
+
+Request bodies are JSON objects nested at most MAX_JSON_DEPTH levels (arrays and objects; the body itself is
+level 1), checked on the raw bytes before anything parses them, since Python's json module and the code after
+it recurse per level: a deeper body is a 400 (`code` "json_too_deep"), never a RecursionError. 128 leaves room
+for tool schemas nested some 60 levels (each schema level is an object in a `properties` object).
+
+Errors: anything deliberate is an `APIError` (its message is meant for the client). Any other exception is a
+500 whose body says only "Internal server error"; the exception itself goes to the server log.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from http import HTTPStatus
 
+import numpy as np
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,15 +28,35 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.openai.chat import ChatHandler
 from serve.openai.completions import CompletionHandler
 from serve.openai.config import ServerConfig
-from serve.openai.errors import APIError, bad_request, from_validation_error
+from serve.openai.errors import APIError, bad_request, from_validation_error, internal_server_error
 from serve.openai.metrics import ServerMetrics
 from serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 
 logger = logging.getLogger(__name__)
 
+MAX_JSON_DEPTH = 128
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text (brackets inside strings do not count).
+
+    Linear in the body and recursion-free (regex and numpy); on malformed JSON (say an unterminated string) a
+    number that json.loads would never reach, which is harmless: such a body is a 400 either way.
+    """
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS), np.uint8)
+    if not brackets.size:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
+
 
 async def _parse(request: Request, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
     body = await request.body()
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise bad_request(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.",
+                          code="json_too_deep")
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -71,10 +102,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return APIError(str(err.detail), status=err.status_code, type=kind).response()
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(f"Internal server error: {type(err).__name__}: {err}",
-                        status=HTTPStatus.INTERNAL_SERVER_ERROR, type="internal_server_error").response()
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
+        return internal_server_error().response()
 
     @app.get("/health")
     async def health() -> Response:

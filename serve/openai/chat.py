@@ -1,5 +1,20 @@
 """`POST /v1/chat/completions`: render the conversation (serve.chat), generate, parse reasoning / content /
-tool calls back out of the completion text, streaming or not."""
+tool calls back out of the completion text, streaming or not.
+
+Reasoning: without `--reasoning-parser` (`ServerConfig.split_reasoning` False) `reasoning_content` is never
+set and `content` carries all the text the model wrote, its thinking included; with it, the thinking channel
+is split off into `reasoning_content` and text arrives as `content` whenever the model is outside a thinking
+section (it never opened one, e.g. thinking off, or has closed it). serve.chat.parsed implements the rule.
+
+Constrained requests (`response_format` json_object / json_schema, `tool_choice` "required" or a named
+function) are constrained over the whole assistant turn (serve.openai.grammars), so the parsed reply always
+holds the JSON value or the call(s), whatever the model, unless max_tokens runs out first (`finish_reason`
+"length", and the text is a prefix of a valid turn). The think channel of such a turn is bounded:
+* without a reasoning parser it is closed at once (empty), since its text would otherwise land in `content`
+  ahead of the JSON;
+* with one it may hold at most half of max_tokens (`CONSTRAINED_THINK_SHARE`), then it is closed and the
+  constrained part begins, so a model that would think forever still answers.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +25,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from sse_starlette import ServerSentEvent
 
 from serve.chat import K2OutputParser, K3OutputParser, encode_chat, render_k2, render_k3
 from serve.chat.parsed import ParsedDelta, ToolCallDelta
@@ -28,13 +44,22 @@ from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, SSEResponse
                                     generate_or_abort, sse_error_event, sse_event)
 
 
+CONSTRAINED_THINK_SHARE = 0.5  # of max_tokens, the most a constrained turn may think (with a reasoning parser)
+
+
+def constrained_think_tokens(max_tokens: int, split_reasoning: bool) -> int:
+    """Think-channel budget of a constrained turn (module docstring): 0 without a reasoning parser."""
+    return int(max_tokens * CONSTRAINED_THINK_SHARE) if split_reasoning else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a validated chat request turns into."""
+    """What a validated chat request turns into (`constrained`: set once the constraint is known)."""
     prompt_ids: list[int]
     thinking: bool
     tools: list[dict]
     tool_choice: str | dict
+    constrained: bool = False
 
 
 def _tool_choice(request: ChatCompletionRequest, tools: list[dict], enable_auto: bool) -> str | dict:
@@ -105,7 +130,8 @@ class ChatHandler:
         check_prompt_length(len(prompt_ids), self._engine.max_model_len, param="messages")
         return _Plan(prompt_ids, thinking, tools, tool_choice)
 
-    def _constraint(self, request: ChatCompletionRequest, plan: _Plan) -> ConstraintFactory | None:
+    def _constraint(self, request: ChatCompletionRequest, plan: _Plan, max_tokens: int) -> ConstraintFactory | None:
+        think_tokens = constrained_think_tokens(max_tokens, self._config.split_reasoning)
         forces_tools = plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)
         has_format = request.response_format is not None and request.response_format.type != "text"
         if forces_tools and has_format:
@@ -113,7 +139,8 @@ class ChatHandler:
                               param="response_format")
         if has_format:
             return response_format_factory(self._tokenizer, request.response_format,
-                                           lambda schema: self._grammars.response(schema, thinking=plan.thinking),
+                                           lambda schema: self._grammars.response(schema, thinking=plan.thinking,
+                                                                                 think_tokens=think_tokens),
                                            vocab_size=self._mask_vocab_size)
         if not forces_tools:
             return None
@@ -122,16 +149,18 @@ class ChatHandler:
         else:
             tools = plan.tools
         try:
-            grammar = self._grammars.tool_calls(tools, thinking=plan.thinking,
+            grammar = self._grammars.tool_calls(tools, thinking=plan.thinking, think_tokens=think_tokens,
+                                                call_tokens=max_tokens - think_tokens,
                                                 multiple=plan.tool_choice == "required" and request.parallel_tool_calls)
             return ConstraintFactory(self._tokenizer, grammar, vocab_size=self._mask_vocab_size)
         except ValueError as err:
             raise bad_request(f"Invalid tool parameters schema: {err}", param="tools") from err
 
     def _new_parser(self, plan: _Plan):
+        options = dict(tools=plan.tools, split_reasoning=self._config.split_reasoning, constrained=plan.constrained)
         if self._config.chat_format == "k3":
-            return K3OutputParser(thinking=plan.thinking, tools=plan.tools)
-        return K2OutputParser(tools=plan.tools)
+            return K3OutputParser(thinking=plan.thinking, **options)
+        return K2OutputParser(**options)
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         if request.top_logprobs is not None and not request.logprobs:
@@ -141,9 +170,11 @@ class ChatHandler:
         max_tokens = resolve_max_tokens(getattr(request, param), len(plan.prompt_ids), self._engine.max_model_len,
                                         param=param)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
+        constraint = self._constraint(request, plan, max_tokens)
+        plan = dataclasses.replace(plan, constrained=constraint is not None)
         params = build_sampling_params(request, max_tokens=max_tokens, logprobs=top_k,
                                        vocab_size=self._tokenizer.vocab_size, skip_special_tokens=False,
-                                       constraint_factory=self._constraint(request, plan))
+                                       constraint_factory=constraint)
         request_id = new_id("chatcmpl")
         outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id)
         if request.stream:
@@ -184,7 +215,7 @@ class ChatHandler:
                                                   total_tokens=num_prompt + num_generated))
 
     async def _stream(self, request: ChatCompletionRequest, plan: _Plan, request_id: str,
-                      outputs: AsyncIterator) -> AsyncIterator[str]:
+                      outputs: AsyncIterator) -> AsyncIterator[ServerSentEvent]:
         created, model = now(), self._config.model_name
         timer = self._metrics.timer()
         parsers = [self._new_parser(plan) for _ in range(request.n)]
@@ -198,13 +229,13 @@ class ChatHandler:
             generated = sum(sent_tokens)
             return Usage(prompt_tokens=num_prompt, completion_tokens=generated, total_tokens=num_prompt + generated)
 
-        def chunk(index: int, delta: ChatDelta, **fields: Any) -> str:
+        def chunk(index: int, delta: ChatDelta, **fields: Any) -> ServerSentEvent:
             return sse_event(ChatCompletionChunk(
                 id=request_id, created=created, model=model,
                 choices=[ChatChunkChoice(index=index, delta=delta, **fields)],
                 usage=usage() if continuous else None))
 
-        def choice_chunks(out) -> list[str]:
+        def choice_chunks(out) -> list[ServerSentEvent]:
             """The chunks one engine output adds to choice `out.index` (text delta, then finish)."""
             i = out.index
             parsed = parsers[i].feed(out.text[sent_text[i]:])

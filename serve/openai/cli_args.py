@@ -38,8 +38,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="prompt rendering and output parsing (default: from the parsers, else the tokenizer)")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help='allow tool_choice="auto" (the default when a request declares tools)')
-    chat.add_argument("--tool-call-parser", choices=sorted(PARSER_FORMATS), default=None)
-    chat.add_argument("--reasoning-parser", choices=sorted(PARSER_FORMATS), default=None)
+    chat.add_argument("--tool-call-parser", choices=sorted(PARSER_FORMATS), default=None,
+                      help="the chat format's tool-call syntax (kimi_k3 for K3 XTML); needed by "
+                           "--enable-auto-tool-choice")
+    chat.add_argument("--reasoning-parser", choices=sorted(PARSER_FORMATS), default=None,
+                      help="return the thinking channel as `reasoning_content` (default: no split, the thinking "
+                           "text is part of `content`)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -85,7 +89,8 @@ def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     return ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_root=args.model,
                         chat_format=_chat_format(args, engine.tokenizer), api_key=args.api_key,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        split_reasoning=args.reasoning_parser is not None)
 
 
 def build_server(args: argparse.Namespace, engine) -> uvicorn.Server:

@@ -7,6 +7,7 @@ from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from sse_starlette import ServerSentEvent
 
 from serve.openai.config import ServerConfig
 from serve.openai.errors import bad_request
@@ -94,7 +95,7 @@ class CompletionHandler:
                                               total_tokens=num_prompt + num_generated))
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[list[int]],
-                      streams: list[AsyncIterator]) -> AsyncIterator[str]:
+                      streams: list[AsyncIterator]) -> AsyncIterator[ServerSentEvent]:
         created, model = now(), self._config.model_name
         timers = [self._metrics.timer() for _ in prompts]
         echoes = self._prompt_texts(request, prompts)
@@ -109,7 +110,7 @@ class CompletionHandler:
             generated = sum(sent_tokens.values())
             return Usage(prompt_tokens=num_prompt, completion_tokens=generated, total_tokens=num_prompt + generated)
 
-        def choice_chunk(i: int, out) -> str | None:
+        def choice_chunk(i: int, out) -> ServerSentEvent | None:
             """The chunk one engine output adds to choice `i * n + out.index` (None when it adds nothing)."""
             index = i * request.n + out.index
             start_text, start_tokens = sent_text.get(index, 0), sent_tokens.get(index, 0)

@@ -14,8 +14,12 @@ class ServerConfig:
       api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
       enable_auto_tool_choice: allow `tool_choice="auto"` (vLLM's --enable-auto-tool-choice); it is the default
         choice when tools are declared, so without this flag such requests must say "none", "required" or a name.
+      split_reasoning: `--reasoning-parser` was given: thinking text is returned as `reasoning_content`, apart
+        from `content`. Without it (the default, as in vLLM) `reasoning_content` is never set and the thinking
+        text is part of `content` (serve.chat.parsed states the rule; serve.openai.chat what it means for
+        constrained requests).
 
-    Replies are always parsed with the chat format's parser (`reasoning_content`, `content`, `tool_calls`).
+    Replies are always parsed with the chat format's parser (content, tool calls, and reasoning when split).
     """
 
     served_model_names: tuple[str, ...]
@@ -23,6 +27,7 @@ class ServerConfig:
     chat_format: str = "k3"
     api_key: str | None = None
     enable_auto_tool_choice: bool = False
+    split_reasoning: bool = False
 
     def __post_init__(self):
         if not self.served_model_names:

@@ -31,6 +31,11 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = "i
     return APIError(message, param=param, code=code)
 
 
+def internal_server_error() -> APIError:
+    """The 500 for an unexpected exception: no exception text reaches the client (the server log has it)."""
+    return APIError("Internal server error.", status=HTTPStatus.INTERNAL_SERVER_ERROR, type="internal_server_error")
+
+
 _UNION_BRANCH_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 

@@ -1,33 +1,54 @@
-"""Engine output streams for HTTP handlers: abort on cancel or disconnect, merging, and SSE framing."""
+"""Engine output streams for HTTP handlers: abort on cancel or disconnect, merging, and SSE framing.
+
+SSE framing, keep-alive pings (a `: ping` comment every 15 s, which clients skip) and client-disconnect
+detection are sse-starlette's `EventSourceResponse`: on `http.disconnect` it cancels the task that iterates the
+handler's event generator (thrown into the generator while it awaits the engine, or an `aclose()` when it
+was cut in a send), which runs the generator's cleanup (`aclosing(outputs)` -> `generate_or_abort` ->
+`engine.abort`), and the engine frees the request's cache. Events are `data: JSON` lines with `\n`
+separators (as vLLM sends them), the stream ends with `data: [DONE]`, and an error after the status line is
+an in-band error event.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import anyio
 from fastapi import Request
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
-SSE_DONE = "data: [DONE]\n\n"
+from serve.openai.errors import APIError, internal_server_error
+
+logger = logging.getLogger(__name__)
+
+SSE_SEPARATOR = "\n"
+SSE_DONE = ServerSentEvent("[DONE]", sep=SSE_SEPARATOR)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
 
 
-def sse_error_event(err: Exception) -> str:
-    """The in-band error event of a stream whose status line is already sent (vLLM does the same)."""
-    return sse_event({"error": {"message": str(err), "type": "internal_server_error", "param": None, "code": None}})
+def sse_error_event(err: Exception) -> ServerSentEvent:
+    """The in-band error event of a stream whose status line is already sent (vLLM does the same).
+
+    An `APIError` is told as it is; any other exception only as "Internal server error" (logged here).
+    """
+    if not isinstance(err, APIError):
+        logger.error("error in a stream", exc_info=err)
+        err = internal_server_error()
+    return sse_event(err.body())
 
 
-def sse_event(payload: BaseModel | dict) -> str:
+def sse_event(payload: BaseModel | dict) -> ServerSentEvent:
     """One server-sent event carrying `payload` as JSON (None fields of models left out)."""
     if isinstance(payload, BaseModel):
         data = payload.model_dump_json(exclude_none=True)
     else:
         data = json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return ServerSentEvent(data, sep=SSE_SEPARATOR)
 
 
 async def generate_or_abort(engine, prompt_token_ids: list[int], params, request_id: str) -> AsyncIterator[Any]:
@@ -92,23 +113,11 @@ async def _close_all(streams: list[AsyncIterator[Any]]) -> None:
             await stream.aclose()
 
 
-class SSEResponse(StreamingResponse):
-    """`text/event-stream` response that always closes its body iterator, even when the client went away.
+class SSEResponse(EventSourceResponse):
+    """`text/event-stream` response of `sse_event`s (see the module docstring)."""
 
-    Starlette cancels the sending task when it sees `http.disconnect`; closing the iterator here (shielded) runs
-    the handler's cleanup at once, which aborts the engine requests and frees their cache.
-    """
-
-    def __init__(self, content: AsyncIterator[str]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def stream_response(self, send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+    def __init__(self, content: AsyncIterator[ServerSentEvent]):
+        super().__init__(content, sep=SSE_SEPARATOR, headers={"Cache-Control": "no-cache"})
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:

@@ -26,6 +26,12 @@ def test_plain_content_and_leading_think():
     assert parse("  text with <think> inside").content == "  text with <think> inside"
 
 
+def test_without_reasoning_split_the_think_text_is_content():
+    message = parse_in_all_chunkings(lambda: K2OutputParser(split_reasoning=False),
+                                     "\n<think>Check the sky.</think>Sunny.<|im_end|>")
+    assert (message.reasoning_content, message.content) == ("", "Check the sky.Sunny.")
+
+
 def test_tool_call_section():
     message = parse(f"Checking.{SECTION}<|im_end|>")
     assert message.content == "Checking."
@@ -50,6 +56,7 @@ BAD_CALLS = {
     "invalid json": CALL.replace('{"city": "北京"}', '{"city": 北京'),
     "not an object": CALL.replace('{"city": "北京"}', '["北京"]'),
     "schema violation": CALL.replace('"city"', '"town"'),
+    "NaN": CALL.replace('{"city": "北京"}', '{"city": "北京", "n": NaN}'),
     "no argument marker": CALL.replace("<|tool_call_argument_begin|>", " "),
 }
 

@@ -97,6 +97,8 @@ BAD_CALLS = {
     "unknown tool": WEATHER_CALL.replace("get_weather", "launch_rockets"),
     "invalid number": WEATHER_CALL.replace('type="number"<|sep|>3', 'type="number"<|sep|>three'),
     "boolean typed as number": WEATHER_CALL.replace('type="number"<|sep|>3', 'type="number"<|sep|>true'),
+    "number beyond a double": WEATHER_CALL.replace('type="number"<|sep|>3', 'type="number"<|sep|>1e999'),
+    "NaN": WEATHER_CALL.replace('type="number"<|sep|>3', 'type="number"<|sep|>NaN'),
     "unknown type": WEATHER_CALL.replace('type="number"', 'type="decimal"'),
     "schema: wrong type": WEATHER_CALL.replace('type="number"<|sep|>3', 'type="string"<|sep|>3'),
     "schema: missing required": WEATHER_CALL.replace("city", "town"),
@@ -114,6 +116,27 @@ def test_bad_call_degrades_to_content_with_raw_text(call):
     message = parse(f"r<|close|>think<|sep|><|open|>response<|sep|>Sure.<|close|>response<|sep|>"
                     f"<|open|>tools<|sep|>{call}<|close|>tools<|sep|>" + END)
     assert message.tool_calls == [] and message.content == "Sure." + call
+
+
+def test_without_reasoning_split_the_think_text_is_content():
+    text = ("Let me think.<|close|>think<|sep|><|open|>response<|sep|>Hello!<|close|>response<|sep|>"
+            f"<|open|>tools<|sep|>{WEATHER_CALL}<|close|>tools<|sep|>" + END)
+    message = parse_in_all_chunkings(lambda: K3OutputParser(thinking=True, tools=TOOLS, split_reasoning=False), text)
+    assert (message.reasoning_content, message.content) == ("", "Let me think.Hello!")
+    assert [c.name for c in message.tool_calls] == ["get_weather"]
+    message = parse_in_all_chunkings(lambda: K3OutputParser(thinking=True, split_reasoning=False), "never closes")
+    assert (message.reasoning_content, message.content) == ("", "never closes")
+
+
+def test_constrained_output_cut_off_drops_its_partial_marker_and_unfinished_call():
+    """Under a grammar a cut-off tail is structure, not text; unconstrained it is kept."""
+    cut_header = "r<|close|>think<|sep|><|open|>resp"
+    unfinished = WEATHER_CALL[:-len("<|close|>call<|sep|>")]
+    cut_call = f"r<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>{unfinished}"
+    for text, kept in ((cut_header, "<|open|>resp"), (cut_call, unfinished)):
+        constrained = parse_in_all_chunkings(lambda: K3OutputParser(thinking=True, tools=TOOLS, constrained=True), text)
+        assert (constrained.reasoning_content, constrained.content, constrained.tool_calls) == ("r", "", [])
+        assert parse(text).content == kept
 
 
 def test_without_declared_tools_calls_are_accepted_unchecked():

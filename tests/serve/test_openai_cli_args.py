@@ -38,6 +38,7 @@ def test_vllm_recipe_flags_parse(engines):
     config = server_config_from_args(args, engines["tiny"])
     assert config.served_model_names == ("kimi", "k3") and config.model_name == "kimi"
     assert (config.chat_format, config.api_key, config.enable_auto_tool_choice) == ("k3", "k", True)
+    assert config.split_reasoning and not server_config_from_args(parse("tiny"), engines["tiny"]).split_reasoning
 
 
 def test_chat_format_inference(engines):

@@ -6,12 +6,21 @@ import pytest
 
 from kimi_jax.tokenizer import load_tokenizer
 from serve.openai import ServerConfig, build_app
+from serve.openai.app import MAX_JSON_DEPTH
 from serve.openai.background import serve_in_thread
 from tests.serve.fake_engine import FakeAsyncEngine
 
 MODEL = "kimi-tiny"
 MAX_MODEL_LEN = 256
 USER = [{"role": "user", "content": "hi"}]
+
+
+def nested_objects(depth: int) -> str:
+    """A chat body whose `metadata` field nests objects so that the body is `depth` levels deep."""
+    inner = depth - 1  # the body object is level 1
+    return ('{"model": "kimi-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": '
+            + '{"a": ' * inner + "1" + "}" * inner + "}")
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -69,6 +78,12 @@ BAD_REQUESTS = {
     "required_without_tools": (CHAT, {"messages": USER, "tool_choice": "required"}, "tool_choice"),
     "tool_result_without_call": (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, "messages"),
     "bad_reasoning_effort": (CHAT, {"messages": USER, "reasoning_effort": "medium"}, "reasoning_effort"),
+    "5000_nested_arrays": (CHAT, "[" * 5000 + "]" * 5000, None),
+    "5000_nested_arrays_in_messages": (CHAT, '{"messages": ' + "[" * 5000 + "]" * 5000 + "}", None),
+    "3000_nested_objects": (CHAT, nested_objects(3000), None),
+    "3000_nested_objects_completion": (COMPLETIONS, '{"prompt": "x", "x": ' + '{"a": ' * 3000 + "1" + "}" * 3000 + "}",
+                                       None),
+    "just_too_deep": (CHAT, nested_objects(MAX_JSON_DEPTH + 1), None),
 }
 
 
@@ -84,6 +99,19 @@ def test_bad_input_is_a_400_with_an_openai_error_body(http, name):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("name", [n for n in BAD_REQUESTS if "nested" in n or "deep" in n])
+def test_deep_nesting_is_refused_before_parsing(http, name):
+    path, body, _ = BAD_REQUESTS[name]
+    error = http.post(path, content=body, headers={"content-type": "application/json"}).json()["error"]
+    assert error["code"] == "json_too_deep" and str(MAX_JSON_DEPTH) in error["message"]
+    assert "Recursion" not in error["message"]
+
+
+def test_nesting_at_the_limit_is_served(http):
+    response = http.post(CHAT, content=nested_objects(MAX_JSON_DEPTH), headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
 
 
 def test_server_keeps_serving_after_bad_input(url, http):

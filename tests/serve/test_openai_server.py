@@ -44,7 +44,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def server(tokenizer):
     engine = FakeAsyncEngine(tokenizer, max_model_len=1024)
-    app = build_app(engine, ServerConfig((MODEL, "alias"), "tiny", enable_auto_tool_choice=True))
+    app = build_app(engine, ServerConfig((MODEL, "alias"), "tiny", enable_auto_tool_choice=True,
+                                         split_reasoning=True))  # as with --reasoning-parser kimi_k3
     with serve_in_thread(app) as url:
         yield engine, url
 
@@ -157,6 +158,33 @@ def test_chat_reasoning_split_stream_and_not(client, engine, tokenizer):
     assert (reasoning, content, roles) == (message.reasoning_content, message.content, ["assistant"])
     assert usage.completion_tokens == response.usage.completion_tokens
     assert usage.prompt_tokens == response.usage.prompt_tokens
+
+
+def test_without_a_reasoning_parser_everything_is_content(tokenizer):
+    """No --reasoning-parser: reasoning_content is never set, the thinking text is content (streamed too), and a
+    constrained turn closes the think channel at once so content is just the JSON."""
+    engine = FakeAsyncEngine(tokenizer, max_model_len=1024)
+    with serve_in_thread(build_app(engine, ServerConfig((MODEL,), "tiny"))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        engine.reply = lambda *_: k3_reply("Let me think: 2 + 2 = 4. ", "The answer is 4.")
+        message = client.chat.completions.create(model=MODEL, messages=messages).choices[0].message
+        assert message.content == "Let me think: 2 + 2 = 4. The answer is 4."
+        assert getattr(message, "reasoning_content", None) is None
+        engine.reply = lambda *_: "thinking that never ends"  # the model stays in the think channel
+        message = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=50).choices[0].message
+        assert message.content == "thinking that never ends" and getattr(message, "reasoning_content", None) is None
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "thinking that never ends"
+        assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
+        engine.reply = lambda *_: k3_reply("Bob is forty.", '{"name": "Bob"}')
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                  "additionalProperties": False}
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=100,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        assert schema_error(json.loads(response.choices[0].message.content), schema) is None
+        assert tokenizer.decode(engine.received[response.id][0]).endswith("<|open|>think<|sep|>")  # thinking on
 
 
 def test_chat_n_seed_and_logprobs(client, engine):
@@ -306,6 +334,33 @@ def test_disconnect_mid_stream_aborts(server, engine):
     assert _wait_for(lambda: engine.stats().num_running == 0)
 
 
+def test_disconnect_mid_chat_stream_aborts(server, engine):
+    engine.reply = lambda *_: k3_reply("thinking " * 200, "answer")
+    before = set(engine.received)
+    with httpx.Client(base_url=server[1]) as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True}) as response:
+            assert sum(1 for _, line in zip(range(3), response.iter_lines()) if line.startswith("data: {")) >= 1
+    [request_id] = set(engine.received) - before
+    assert _wait_for(lambda: request_id in engine.aborted)
+    assert _wait_for(lambda: engine.stats().num_running == 0)
+
+
+def test_sse_wire_format(server, engine):
+    """`data: JSON` events separated by a blank line (LF, as vLLM), usage chunk, then `data: [DONE]`."""
+    engine.reply = lambda *_: "a b c"
+    response = httpx.post(server[1] + "/v1/completions", json={
+        "model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
+    events = [e for e in response.text.split("\n\n") if e and not e.startswith(":")]  # ":" lines are pings
+    assert response.text.endswith("data: [DONE]\n\n") and "\r" not in response.text
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(p["choices"][0]["text"] for p in payloads if p["choices"]) == "a b c"
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] >= 3
+
+
 def test_disconnect_while_waiting_for_non_streaming_answer_aborts(server, engine):
     engine.reply = lambda *_: " ".join(["word"] * 1000)  # >= 1.6 s at 2 ms per step: outlives the client
     before = set(engine.received)
@@ -361,7 +416,7 @@ def test_k2_chat_format():
     k2 = load_tokenizer("tiny-k2")
     engine = FakeAsyncEngine(k2, max_model_len=1024)
     with serve_in_thread(build_app(engine, ServerConfig((MODEL,), "tiny-k2", chat_format="k2",
-                                                        enable_auto_tool_choice=True))) as url:
+                                                        enable_auto_tool_choice=True, split_reasoning=True))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         reply = ('<think>Paris needs a lookup.</think><|tool_calls_section_begin|><|tool_call_begin|>'
                  'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
@@ -389,12 +444,16 @@ def test_engine_failure_is_reported_and_the_server_keeps_serving(server, client,
         raise RuntimeError("device lost")
 
     engine.reply = broken
-    with pytest.raises(openai.InternalServerError, match="device lost"):
+    with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert info.value.body == {"message": "Internal server error.", "type": "internal_server_error",
+                               "param": None, "code": None}  # no exception text reaches the client
     lines = httpx.post(server[1] + "/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).text.splitlines()
     events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-    assert "device lost" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "internal_server_error" and "device lost" not in error["message"]
+    assert events[-1] == "[DONE]"
     engine.reply = random_words_reply
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
 
