@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.bench_timing import kernel_split_us
-from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
+from pallas_kernels.kda import ChunkKDAConfig, KDADecodeConfig, chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.chunk import chunk_kda_pallas
 
 CHUNK = 64
@@ -197,7 +197,7 @@ class PrefillCase:
         if self.lower_bound is None:
             variants["ours_adaptive"] = jax.jit(lambda q, k, v, g, beta, cu, A_log, dt_bias: chunk_kda_pallas(
                 q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
-                adaptive_diagonal=True)[:2])
+                config=ChunkKDAConfig(adaptive_diagonal=True))[:2])
         args = prefill_args(self.x)
         for label, fn in variants.items():
             if label != "ours" and self.out is not None:
@@ -275,8 +275,11 @@ DECODE_SPLIT_V = (16, 32, 64)
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_v", "split_v"), donate_argnums=(0, 1))
 def decode_step(conv_state, state, *rest, impl, block_v=None, split_v=None):
+    """One decode step; ``split_v``: the split-V kernel at that width, whatever the batch (None: the tuned
+    choice); ``block_v``: the fused kernel's state slices."""
+    config = KDADecodeConfig(block_v=block_v, **(dict(split_v=split_v, fused_max_rows=0) if split_v else {}))
     return fused_recurrent_kda(conv_state=conv_state, state=state, lower_bound=LOWER_BOUND, impl=impl,
-                               block_v=block_v, split_v=split_v, **dict(zip(REST_ORDER, rest)))
+                               config=config, **dict(zip(REST_ORDER, rest)))
 
 
 class DecodeCase:

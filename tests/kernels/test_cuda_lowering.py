@@ -15,6 +15,7 @@ from jax import export
 
 from pallas_kernels.attnres import kernel as attnres_kernel
 from pallas_kernels.greedy import kernel as greedy_kernel
+from pallas_kernels.kda import ChunkKDAConfig
 from pallas_kernels.kda import chunk as kda_chunk
 from pallas_kernels.kda import recurrent as kda_recurrent
 from pallas_kernels.mla import absorb as mla_absorb
@@ -108,7 +109,8 @@ def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     dyadic diagonal blocks, the lower bound the midpoint ones; the GPU's PTX approximations of exp, the gate's
     log and its reciprocal (inline asm, which interpret mode cannot run)."""
     return kda_chunk.chunk_kda_pallas(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True, A_log=a_log,
-                                      dt_bias=dt_bias, lower_bound=lower_bound, fast_math=True)
+                                      dt_bias=dt_bias, lower_bound=lower_bound,
+                                      config=ChunkKDAConfig(fast_math=True))
 
 
 KDA_PREFILL_ARGS = [*[S((1, 1024, 32, 128), jnp.bfloat16)] * 3, S((1, 1024, 32, 128), jnp.float32),
@@ -131,6 +133,8 @@ CASES = {
     "kda_decode": (kda_decode, KDA_DECODE_ARGS),
     "kda_prefill_softplus": (functools.partial(kda_prefill, None), KDA_PREFILL_ARGS),
     "kda_prefill_lower_bound": (functools.partial(kda_prefill, -5.0), KDA_PREFILL_ARGS),
+    "kda_prefill_fp32": (functools.partial(kda_prefill, -5.0), [S(a.shape, jnp.float32) if a.dtype == jnp.bfloat16
+                                                                else a for a in KDA_PREFILL_ARGS]),
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
@@ -162,8 +166,8 @@ CASES = {
                            [S((1, 32, 512), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
 }
 
-LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 3, "kda_decode": 2, "router_k3": 2,
-            "router_kimi_linear": 2}
+LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 3, "kda_prefill_fp32": 3, "kda_decode": 2,
+            "router_k3": 2, "router_kimi_linear": 2}
 """Triton launches per case where there is more than one: each prefill's diagonal blocks (dyadic or midpoint),
 intra kernel and scan; split-V decode and its epilogue; the router's logits and its top-k."""
 
