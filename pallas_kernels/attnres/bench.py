@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attnres.config import AttnResConfig
 from pallas_kernels.attnres.kernel import attnres_mix_pallas
 from pallas_kernels.attnres.reference import attnres_mix_reference
 from pallas_kernels.bench_timing import copy_bandwidth, timed
@@ -36,7 +37,8 @@ def main():
                     xla_s=timed(lambda s, q, w, ow: attnres_mix_reference(q, s, w, output_rms_weight=ow, eps=1e-5),
                                 (xs, q, w, ow)), pallas_s={}, max_rel_err={})
         for name, cfg in CONFIGS.items():
-            fn = lambda s, q, w, ow, cfg=cfg: attnres_mix_pallas(q, s, w, output_rms_weight=ow, eps=1e-5, **cfg)
+            fn = lambda s, q, w, ow, cfg=cfg: attnres_mix_pallas(q, s, w, output_rms_weight=ow, eps=1e-5,
+                                                                 config=AttnResConfig(**cfg))
             try:
                 got = fn(xs[0], q, w, ow)
                 case["max_rel_err"][name] = float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - ref[0].astype(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.bench_timing import kernel_split_us, new_result, save_json
+from pallas_kernels.router.config import RouterConfig
 from pallas_kernels.router.kernel import route_pallas
 from pallas_kernels.router.reference import route_reference
 
@@ -34,9 +35,9 @@ def variants(k, scaling, args):
     the program target and warp counts asked for."""
     out = {"xla": lambda x, w, b: route_reference(x, w[1], b[1], k=k, scaling=scaling)}
     for target, lw, tw in itertools.product(args.targets, args.logits_warps, args.topk_warps):
-        out[f"p{target}_w{lw}_{tw}"] = functools.partial(route_pallas, layer=1, k=k, renormalize=True,
-                                                         scaling=scaling, target_programs=target, logits_warps=lw,
-                                                         topk_warps=tw)
+        out[f"p{target}_w{lw}_{tw}"] = functools.partial(
+            route_pallas, layer=1, k=k, renormalize=True, scaling=scaling,
+            config=RouterConfig(target_programs=target, logits_warps=lw, topk_warps=tw))
     return out
 
 

@@ -21,6 +21,7 @@ from pallas_kernels.kda import recurrent as kda_recurrent
 from pallas_kernels.mla import absorb as mla_absorb
 from pallas_kernels.mla import attention as mla_attention
 from pallas_kernels.mla import prefill as mla_prefill
+from pallas_kernels.mxfp4 import GroupedGemmConfig
 from pallas_kernels.mxfp4 import kernel as gemm_kernel
 from pallas_kernels.rmsnorm import PartialSum
 from pallas_kernels.rmsnorm import kernel as rmsnorm_kernel
@@ -55,17 +56,19 @@ def kda_decode_fused(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, sl
                                                     lower_bound=-5.0, layer=2)
 
 
+DECODE_TILES = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, weights_lhs=True, num_stages=4)
+"""The decode tiling of tile_config for the bf16 and checkpoint / pair-halves orders (x as the register operand)."""
+
+
 def grouped_gemm(x, w1, w3, row_experts):
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
-                                                  per_row=True, block_m=16, block_n=64, block_k=128,
-                                                  weights_lhs=True, num_stages=4)
+                                                  per_row=True, config=DECODE_TILES)
 
 
 def grouped_gemm_shared(x, w1, w3, shared_gate, shared_up, row_experts):
     """Kimi-Linear's decode gate / up projections with the shared expert as the ninth row (layer 3)."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
-                                                  per_row=True, block_m=16, block_n=64, block_k=128,
-                                                  weights_lhs=True, num_stages=4,
+                                                  per_row=True, config=DECODE_TILES,
                                                   shared=((shared_gate,), (shared_up,)), shared_offset=3)
 
 
@@ -78,30 +81,32 @@ def add_rms_norm_partials(x, split_parts, expert_rows, router_weights, norm_weig
 def mxfp4_pairs_gemm(x, packed, scales, row_experts):
     """K3's expert gate projection at decode in the pair-halves byte order (16 (token, expert) rows)."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_pairs",
-                                                  per_row=True, block_m=16, block_n=64, block_k=128,
-                                                  weights_lhs=True, num_stages=4)
+                                                  per_row=True, config=DECODE_TILES)
 
 
 def mxfp4_pairs_prefill_gemm(x, packed, scales, group_sizes):
     """K3's expert gate projection at prefill (8192 rows over 56 experts) in the pair-halves byte order: the
     128 x 256 row tile that scales the decoded weights."""
     return gemm_kernel.grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4_pairs",
-                                           block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+                                           config=GroupedGemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
+                                                                    num_stages=3))
 
 
 def mxfp4_words_gemm(x, packed, scales, row_experts):
     """K3's expert gate + up at decode in the word order with narrow scales (16 (token, expert) rows): what
     tile_config picks, with the folded decode."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_words",
-                                                  per_row=True, block_m=16, block_n=64, block_k=512, num_stages=2,
-                                                  narrow_scales=True)
+                                                  per_row=True, narrow_scales=True,
+                                                  config=GroupedGemmConfig(block_m=16, block_n=64, block_k=512,
+                                                                           num_stages=2))
 
 
 def mxfp4_fp32_gemm(weight_format, x, packed, scales, group_sizes):
     """fp32 activations (an fp32 model, as in tests/test_model_incremental.py) against MXFP4 weights: the decoded
     bf16 tile must take x's dtype, since the Triton dot rejects mixed operand types."""
     return gemm_kernel.grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format=weight_format,
-                                           block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2)
+                                           config=GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4,
+                                                                    num_stages=2))
 
 
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):

@@ -11,6 +11,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import kda, tuning
@@ -135,3 +136,80 @@ def test_sliced_decode_falls_back_to_one_stage_and_still_matches(smem, state_dty
     for name, a, b, tol in zip(("y", "conv_state", "state"), ours, ref, (1e-4, 1e-4, 2e-2)):
         assert_close(a, b, tol, name)
 
+
+
+def test_mla_decode_tiling_at_kimi_shapes():
+    """R = 512 + 64: the tuned tilings fit with bf16 caches (unchanged); 16-row short-decode tiles over 64 keys and
+    3 stages do not with an fp8 cache (cast tiles) or fp32 queries and pages, and take 2 stages."""
+    from pallas_kernels.mla import attention
+
+    short = dict(num_tokens=16, num_seqs=16, num_heads=32, max_context=560, width=576)
+    long = dict(num_tokens=16, num_seqs=16, num_heads=32, max_context=32768, width=576)
+    for shape, stages in ((short, 3), (long, 2)):
+        assert attention.fit_config(None, **shape, compute_dtype=jnp.bfloat16, pages_dtype=jnp.bfloat16,
+                                    fp8_scales=False).num_stages == stages
+    fp8 = attention.fit_config(None, **short, compute_dtype=jnp.bfloat16, pages_dtype=jnp.float8_e4m3fn,
+                               fp8_scales=True)
+    fp32 = attention.fit_config(None, **short, compute_dtype=jnp.float32, pages_dtype=jnp.float32, fp8_scales=False)
+    assert (fp8.num_stages, fp8.block_k) == (2, 64) and (fp32.num_stages, fp32.block_k) == (2, 64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, dict(rtol=2e-4, atol=2e-5)), (jnp.bfloat16, None)])
+def test_mla_decode_falls_back_to_fewer_keys_and_still_matches(smem, dtype, tol):
+    """A limit under the one-stage tiling of 32 keys per step: 16 keys are taken, and a varlen decode / verify /
+    prefill mix (fp32: to the fp32 tolerance of the MLA tests; bf16 queries and pages: 2e-2) matches the
+    reference."""
+    from pallas_kernels.mla import MLADecodeConfig, mla_paged_attention_reference
+    from pallas_kernels.mla import attention
+    from pallas_kernels.mla.testing import make_paged_batch
+
+    tol = tol or dict(rtol=2e-2, atol=2e-2)
+    config = MLADecodeConfig(block_q=4, block_h=4, block_k=32, num_splits=2, num_stages=2)
+    narrow = dataclasses.replace(tuning.resolve(MLADecodeConfig, config), block_k=16)
+    smem(attention.smem_bytes(narrow, 48, dtype, dtype, False))
+    assert attention.fit_config(config, 18, 3, 4, 192, 48, dtype, dtype, False) == narrow
+    batch = make_paged_batch(np.random.default_rng(4), [70, 9, 130], [8, 3, 5], num_heads=4, width=48,
+                             block_size=64, num_tokens=18)
+    args = [jnp.asarray(a, dtype if a.dtype == np.float32 else None) for a in
+            (batch.q, batch.pages, batch.block_tables, batch.context_lens, batch.cu_q_lens)]
+    with jax.default_matmul_precision("highest"):
+        o, lse = attention.mla_paged_attention_pallas(*args, scale=48**-0.5, kv_lora_rank=32, config=config)
+        want_o, want_lse = mla_paged_attention_reference(*args, scale=48**-0.5, kv_lora_rank=32)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want_o, np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), **tol)
+
+
+def test_grouped_gemm_tiling_at_k3_shapes():
+    """The tuned prefill tiles fit with bf16 activations (unchanged); with fp32 activations the 128 x 256 x 64
+    bf16 tile (3 stages, its weights cast to fp32) does not, and takes 2 stages."""
+    from pallas_kernels.mxfp4 import GroupedGemmConfig
+    from pallas_kernels.mxfp4 import kernel as gemm_kernel
+    from pallas_kernels.mxfp4.ops import tile_config
+
+    for fmt in ("bf16", "mxfp4", "mxfp4_pairs", "mxfp4_words"):
+        for rows in (1, 262, 1024, 8212):
+            cfg = GroupedGemmConfig(**tile_config(rows, 56, 6144, 3584, fmt))
+            w_dtype = jnp.bfloat16 if fmt == "bf16" else jnp.uint8
+            assert gemm_kernel.fit_config(cfg, fmt, jnp.bfloat16, w_dtype) == tuning.resolve(GroupedGemmConfig, cfg)
+    prefill = GroupedGemmConfig(**tile_config(8212, 56, 6144, 3584, "bf16"))
+    assert gemm_kernel.fit_config(prefill, "bf16", jnp.float32, jnp.bfloat16).num_stages == 2
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_gemm_falls_back_to_a_narrower_k_step_and_still_matches(smem, x_dtype):
+    """A limit under the one-stage 64-column K step: 32 columns are taken, and the MXFP4 grouped GEMM (all 16
+    codes; empty group, ragged tiles) matches the fp32 reference within the bf16 output rounding (1e-2)."""
+    from pallas_kernels.mxfp4 import GroupedGemmConfig, mxfp4_grouped_matmul_reference
+    from pallas_kernels.mxfp4 import kernel as gemm_kernel
+
+    from .test_mxfp4_kernels import assert_rows_close, random_problem
+
+    config = GroupedGemmConfig(block_m=16, block_n=16, block_k=64, num_warps=4, num_stages=1)
+    narrow = dataclasses.replace(tuning.resolve(GroupedGemmConfig, config), block_k=32)
+    smem(gemm_kernel.smem_bytes(narrow, "mxfp4", x_dtype, jnp.uint8))
+    assert gemm_kernel.fit_config(config, "mxfp4", x_dtype, jnp.uint8) == narrow
+    x, packed, scales, gs = random_problem(21, [5, 0, 30], 37)
+    x = x.astype(x_dtype)
+    got = gemm_kernel.grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", config=config)
+    assert got.dtype == x_dtype
+    assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
