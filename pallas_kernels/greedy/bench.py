@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.greedy.kernel import greedy_pallas
 from pallas_kernels.greedy.reference import greedy_reference
@@ -32,6 +33,8 @@ def main():
         result["cases"].append(case)
         print(f"{rows:>5} {timing_columns(case)} {str(same):>10}", flush=True)
         save_json(result, "greedy_bench.json")
+    bench_checks.finish("greedy bench", [f"N={c['rows']}: token ids differ from the reference" for c in result["cases"]
+                                         if not c["ids_equal"]])
 
 
 if __name__ == "__main__":

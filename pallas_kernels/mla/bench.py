@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us
 from pallas_kernels.mla import MLADecodeConfig, MLADecodeMGPUConfig, MLAPrefillConfig
 from pallas_kernels.mla.attention import mla_paged_attention_pallas
@@ -130,6 +131,14 @@ def check_correctness(results: dict) -> None:
     want = mla_prefill_attention_reference(q, k_nope, k_pe, v, cu_q, cu_kv, scale=SCALE)
     got = mla_prefill_attention_pallas(q, k_nope, k_pe, v, cu_q, cu_kv, scale=SCALE)
     results[f"unabsorbed_H{num_heads}"] = {"o_rel_err": rel_err(got[0], want[0]), "lse_rel_err": rel_err(got[1], want[1])}
+
+
+def check_failures(correctness: dict) -> list[str]:
+    """The failed checks of :func:`check_correctness`: a crash, or a relative error over 2e-2 (bf16 queries and
+    pages, the fp8 cache against its own dequantised reference; fp8 against bf16 is only reported)."""
+    if "error" in correctness or not correctness:
+        return [f"checks crashed: {correctness.get('error', 'no results')}"]
+    return bench_checks.over(correctness, lambda path: None if "vs_bf16_ref" in path else 2e-2)
 
 
 def decode_roofline(batch, context, num_heads, ceil, *, bytes_per_row=2 * W + 0.0) -> tuple[float, float, float]:
@@ -472,6 +481,8 @@ def main() -> None:
     save()
     print_tables(report)
     print("best variants:", best, "skipped:", report["skipped"], f"{report['elapsed_s']:.0f}s")
+    if "correctness" in sections:
+        bench_checks.finish("mla bench", check_failures(report["correctness"]))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,23 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.rmsnorm import PartialSum, add_rms_norm
 from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
 
 EPS = 1e-5
 REPEATS = 20
+MAX_DIFF = 0.0625
+"""Bound on the max absolute difference from XLA: the bf16 outputs stay below 8 in magnitude, where two bf16 ulps
+are 2 * 2**-5 (the sum rounds once either way; the norm's reduction order differs)."""
+
+
+def finish(bench: str, result: dict) -> None:
+    """Exit non-zero, with a line per case, when a case's output differs from XLA's by more than MAX_DIFF."""
+    bench_checks.finish(bench, [f"{c.get('case', 'plain')} T={c['rows']} D={c['dim']}: max diff "
+                                f"{c['max_abs_diff']:.3e} > {MAX_DIFF}" for c in result["cases"]
+                                if not c["max_abs_diff"] <= MAX_DIFF])
 
 
 def main():
@@ -45,6 +56,7 @@ def main():
             result["cases"].append(case)
             print(f"{rows:>6}{dim:>6} {timing_columns(case)} {diff:9.1e}", flush=True)
             save_json(result, "rmsnorm_bench.json")
+    finish("rmsnorm bench", result)
 
 
 def partials_main():
@@ -76,6 +88,7 @@ def partials_main():
             result["cases"].append(case)
             print(f"{name:>8}{rows:>4} {timing_columns(case)} {diff:9.1e}", flush=True)
             save_json(result, "rmsnorm_partials_bench.json")
+    finish("rmsnorm partials bench", result)
 
 
 if __name__ == "__main__":

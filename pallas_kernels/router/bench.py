@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import kernel_split_us, new_result, save_json
 from pallas_kernels.router.config import RouterConfig
 from pallas_kernels.router.kernel import route_pallas
@@ -85,6 +86,9 @@ def main():
                 print(f"{model:>12}{rows:>4} {name:>14} {device_s * 1e6:10.2f}{kernels:3d} {best * 1e6:9.2f}"
                       f" {case['roofline_s'] * 1e6:12.2f} {bad == 0!s:>7}", flush=True)
                 save_json(result, "router_bench.json")
+    bench_checks.finish("router bench", [f"{c['model']} T={c['rows']} {c['variant']}: {c['bad_calls']} of "
+                                         f"{c['calls_checked']} calls chose other experts than the reference"
+                                         for c in result["cases"] if c["bad_calls"]])
 
 
 if __name__ == "__main__":
