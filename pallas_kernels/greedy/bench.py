@@ -2,7 +2,7 @@
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/greedy/bench.py`` (JSON to ``$OUT/greedy_bench.json``). Device time
 and distinct kernels per call from a ``jax.profiler`` trace (at decode sizes the launches matter: each kernel of
-an engine step also costs host time, BENCHMARKS.md session 6). Roofline: the fp32 logits read once at the copy
+an engine step also costs host time: BENCHMARKS.md, engine step graph). Roofline: the fp32 logits read once at the copy
 bandwidth measured here.
 """
 

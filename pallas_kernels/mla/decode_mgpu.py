@@ -1,8 +1,9 @@
 """Absorbed MLA decode over the paged latent cache as a Mosaic-GPU (Hopper warpgroup) kernel.
 
 Why: the Triton kernel's 32-row ``mma.sync`` tile holds its 32 x 512 fp32 accumulator and the queries in
-registers (255 per thread, 2 CTAs per SM), so at H >= 32 too few loads are in flight and long-context decode
-reads the cache at 47-56% of copy bandwidth (``NOTES.md``). Here, as in FlashMLA, one CTA takes 64 query rows
+registers (255 per thread by ``ptxas -v``, 2 CTAs per SM), so at H >= 32 too few loads are in flight and
+long-context decode reads the cache at 47-56% of copy bandwidth (batch 16, 32K context: H=32 341 us, H=96 814
+us; its 64-row, 8-warp tile takes ``wgmma`` but spills). Here, as in FlashMLA, one CTA takes 64 query rows
 (the heads of one decode token, or the (token, head) rows of a few verified tokens, zero-padded to a multiple of
 64) and three warpgroups:
 
@@ -20,6 +21,12 @@ H200's 227 KB; the partial outputs are stored from registers straight to global 
 writes fp32 partials (o, natural-log lse) that :func:`pallas_kernels.mla.reference.merge_partials` merges. Grid:
 (sequences, head blocks, splits). ``jax.export`` for CUDA runs Mosaic-GPU's layout inference on the CPU, so the
 GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-byte swizzle).
+
+Limits: at H=96 the kernel is compute-bound (2176 FLOPs per (head, key) for 1152 bytes per key: 181 FLOP/byte
+with 96 real heads, 242 as executed in two 64-row blocks, against the H200's ridge of about 180), at 42-44% of
+copy bandwidth. Fewer executed rows (packing two tokens' remainders) or forming S once per CTA (warpgroup 0 alone,
+P and the row rescales through shared memory to warpgroup 1) would move it; the latter, as written, needed
+232,504 B of shared memory against the 232,448 allowed.
 
 Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,

@@ -77,7 +77,8 @@ ALL_CFGS = {
     "m16n128k128w4s4_k4": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, split_k=4),
 }
 # Tilings swept per format and regime (plus tile_config's default): the configs that won, or came within 5%,
-# somewhere in the full 9-config sweep of the 2026-11-30 run (kept short so the whole grid fits one call).
+# somewhere in a full 9-config sweep (BENCHMARKS.md, MXFP4 grouped GEMM; kept short so the whole grid fits one
+# call).
 SWEEPS = {
     ("decode", "mxfp4"): ("m16n64k256w4s4", "m16n32k512w4s3", "m16n64k128w4s4L", "m16n64k128w4s4L_k2",
                           "m16n64k128w4s4L_k3", "m16n64k128w4s4L_k4"),
@@ -263,7 +264,7 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
     bf16_variants = {f"pallas_{name}": (lambda x, w, g, cfg=cfg: grouped_gemm_pallas(
         x, (w,), g, weight_format="bf16", config=GroupedGemmConfig(**cfg))) for name, cfg in with_default(
         SWEEPS[(regime, "bf16")], tile_config(m, experts, n, k, "bf16")).items()}
-    if m < 8 or m % 8 == 0:  # ragged_dot_mgpu rejects other row counts (2026-11-30 run)
+    if m < 8 or m % 8 == 0:  # ragged_dot_mgpu rejects other row counts
         bf16_variants.update(mgpu_variants())
     for name, fn in bf16_variants.items():
         if past_deadline(name):

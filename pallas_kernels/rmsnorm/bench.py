@@ -2,12 +2,13 @@
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/rmsnorm/bench.py`` (JSON to ``$OUT/rmsnorm_bench.json``). Device
 time and kernel launches per call come from a ``jax.profiler`` trace; at decode sizes the launches matter more
-than the bytes (every kernel of an engine step also costs host time, BENCHMARKS.md session 6). Roofline: bytes
+than the bytes (every kernel of an engine step also costs host time: BENCHMARKS.md, engine step graph). Roofline: bytes
 read + written (x, delta in; sum, normed out) at the copy bandwidth measured here.
 
 ``--partials`` (``BENCH_PARTIALS=1``): :class:`PartialSum` addends instead, against XLA summing them then running
 its add + norm: o_proj's 4 split-K float32 parts (the decode step's case), and 8 router-weighted expert rows plus
-4 split-K parts (the MoE's outputs, which the step leaves to XLA: slower this way in the step, session 9);
+4 split-K parts (the MoE's outputs, which the step leaves to XLA: slower this way in the step; BENCHMARKS.md,
+RMSNorm);
 Kimi-Linear D=2304, batch 1 and 4.
 """
 

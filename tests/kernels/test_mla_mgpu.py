@@ -104,8 +104,8 @@ def test_tables_sliced_from_a_packed_buffer(rng):
 
 def test_index_operands_are_computed_buffers():
     """Mosaic-GPU's custom call rejects operands off a 256-byte boundary, and XLA may hand a custom call a slice of
-    a larger buffer in place: the 27-layer engine's batch-64 warm-up failed so with 64-token pages (session 14;
-    a small graph like the test above did not reproduce it on the H200). The kernel's block-table and
+    a larger buffer in place: the 27-layer engine's batch-64 warm-up failed so with 64-token pages (a small
+    graph like the test above did not reproduce it on the H200). The kernel's block-table and
     context-length operands must therefore be results of a computation (a max with 0), never slices or
     reshapes of its inputs: checked in the CUDA lowering."""
     import re
