@@ -60,7 +60,8 @@ def summarize(tests: dict) -> dict:
 
 
 def print_table(kernels: dict) -> None:
-    print(f"\n{'kernel':<22}{'cases':>6}{'passed':>7}{'failed':>7}{'skipped':>8}{'max error':>11}{'tol':>9}  worst case")
+    print(f"\n{'kernel':<22}{'cases':>6}{'passed':>7}{'failed':>7}{'skipped':>8}{'max error':>11}{'tol':>9}"
+          "  worst case")
     for name, k in kernels.items():
         err = "-" if k["max_error"] is None else f"{k['max_error']:.2e}"
         tol = "-" if k["max_error_tol"] is None else f"{k['max_error_tol']:.0e}"
