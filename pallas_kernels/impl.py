@@ -37,7 +37,8 @@ def interpret_mode() -> bool:
 def layer_stacks(layer: int | None, *arrays: jax.Array) -> tuple[tuple[jax.Array, ...], int]:
     """Per-layer operands that a kernel reads in place -> (``[L, ...]`` stacks, the row to read). With ``layer``
     the arrays already are stacks of the model's layers; without, each gets a leading axis of one and the row is 0.
-    A slice ``stack[layer]`` handed to a Pallas call would be copied by XLA first (BENCHMARKS.md, session 7)."""
+    A slice ``stack[layer]`` handed to a Pallas call would be copied by XLA first (a memcpy node per call in the
+    step's CUDA graph; BENCHMARKS.md, engine step graph)."""
     if layer is None:
         return tuple(a[None] for a in arrays), 0
     num_layers = arrays[0].shape[0]

@@ -1,8 +1,11 @@
-"""Shared-memory layout helper for the Mosaic-GPU (Hopper warpgroup) kernels."""
+"""Shared-memory layout helpers for the Mosaic-GPU (Hopper warpgroup) kernels."""
 
 from __future__ import annotations
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BARRIER_BYTES = 8
+"""Shared memory of one mbarrier (a 64-bit word)."""
 
 
 def wgmma_operand_transforms(minor: int, bits: int = 16):

@@ -236,12 +236,12 @@ def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v, ski
     state pools, absorbed MLA, grouped expert GEMMs, and with ``skinny_rows`` every dense projection through the
     grouped GEMM on its layer stack) equals the reference ops, cache included."""
     from kimi_jax.layers import common
-    from pallas_kernels import kda as kda_ops
+    from pallas_kernels import tuning
+    from pallas_kernels.kda import KDADecodeConfig
 
     import pallas_kernels.mxfp4 as gemm_ops
 
-    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", split_v)
-    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 0)  # split_v decides, whatever the batch
+    decode_config = KDADecodeConfig(split_v=split_v or 0, fused_max_rows=0)  # split_v decides, whatever the batch
     monkeypatch.setattr(common, "SKINNY_MAX_ROWS", skinny_rows)
     dense_calls = []
     grouped = gemm_ops.grouped_matmul_concat
@@ -259,7 +259,8 @@ def test_pallas_decode_step_matches_reference(lm, rng, monkeypatch, split_v, ski
                       state_slots=jnp.asarray([2], jnp.int32), logits_indices=jnp.asarray([0], jnp.int32),
                       checkpoint_positions=jnp.zeros((1, 0), jnp.int32),
                       checkpoint_slots=jnp.zeros((1, 0), jnp.int32), decode_only=True)
-    got, cache_got = KimiLM(lm.model, impl="pallas").step(jax.tree.map(jnp.copy, cache), step)  # step donates
+    with tuning.overriding(decode_config):
+        got, cache_got = KimiLM(lm.model, impl="pallas").step(jax.tree.map(jnp.copy, cache), step)  # step donates
     want, cache_want = lm.step(cache, step)
     assert bool(dense_calls) == bool(skinny_rows)
     assert rel(got, want) < 1e-4

@@ -186,8 +186,7 @@ def _decode(p: KDAStack, j: int, x, qkv, g_raw, beta_logits, gate, state_pool, c
         raise ValueError(f"decode_only steps need one row per sequence, got T={t_rows}, N={step.num_seqs}")
     y, conv_pool, state_pool = kda_ops.fused_recurrent_kda(
         qkv, p.conv[...], conv_pool, g_raw.reshape(t_rows, -1), beta_logits, p.A_log[...], p.dt_bias[...],
-        state_pool, slots, gate, p.o_norm[...], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps,
-        split_v=kda_ops.decode_split_v(t_rows, cfg.kda_num_v_heads), layer=j,
+        state_pool, slots, gate, p.o_norm[...], lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps, layer=j,
         impl=impl)
     return stacked_linear_unsummed(y.astype(x.dtype), p.o_proj, j, impl=impl), state_pool, conv_pool
 

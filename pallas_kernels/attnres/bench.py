@@ -12,12 +12,16 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attnres.config import AttnResConfig
 from pallas_kernels.attnres.kernel import attnres_mix_pallas
 from pallas_kernels.attnres.reference import attnres_mix_reference
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import copy_bandwidth, timed
 
 D = 7168
 REPS = 8
+MAX_REL_ERR = {"float32": 1e-5, "bfloat16": 1e-2}
+"""The tests' bounds on the max error relative to the largest reference value (fp32 math; bf16 output rounding)."""
 CONFIGS = {"n1w4": dict(block_n=1, num_warps=4), "n4w4": dict(block_n=4, num_warps=4),
            "n2w8c512": dict(block_n=2, num_warps=8, max_chunk=512)}
 
@@ -36,7 +40,8 @@ def main():
                     xla_s=timed(lambda s, q, w, ow: attnres_mix_reference(q, s, w, output_rms_weight=ow, eps=1e-5),
                                 (xs, q, w, ow)), pallas_s={}, max_rel_err={})
         for name, cfg in CONFIGS.items():
-            fn = lambda s, q, w, ow, cfg=cfg: attnres_mix_pallas(q, s, w, output_rms_weight=ow, eps=1e-5, **cfg)
+            fn = lambda s, q, w, ow, cfg=cfg: attnres_mix_pallas(q, s, w, output_rms_weight=ow, eps=1e-5,
+                                                                 config=AttnResConfig(**cfg))
             try:
                 got = fn(xs[0], q, w, ow)
                 case["max_rel_err"][name] = float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - ref[0].astype(
@@ -48,6 +53,10 @@ def main():
         with open(os.path.join(os.environ.get("OUT", "."), "attnres_bench.json"), "w") as f:
             json.dump(result, f, indent=1)
         print_row(case, bw)
+    bench_checks.finish("attnres bench", [
+        f"L={c['L']} N={c['N']} {c['dtype']} {name}: {v}" for c in result["cases"] for name, v in
+        {**{n: e for n, e in c["max_rel_err"].items() if not e <= MAX_REL_ERR[c["dtype"]]},
+         **{n: s for n, s in c["pallas_s"].items() if isinstance(s, str)}}.items()])
 
 
 def print_row(c, bw):

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
+from pallas_kernels.attnres.config import AttnResConfig
 from pallas_kernels.impl import interpret_mode
 
 
@@ -73,20 +75,22 @@ def _attnres_kernel(qw_ref, ow_ref, src_ref, out_ref, w_ref, *, num_sources, wid
     jax.lax.fori_loop(0, num_chunks, mix, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "scale", "block_n", "max_chunk", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("eps", "scale", "config"))
 def attnres_mix_pallas(query: jax.Array, sources: jax.Array, rms_weight: jax.Array, *,
                        output_rms_weight: jax.Array | None = None, eps: float = 1e-6, scale: float = 1.0,
-                       block_n: int = 4, max_chunk: int = 1024, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+                       config: AttnResConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """``query [D]``, ``sources [L, N, D]``, ``rms_weight [D]`` -> ``(mixed [N, D], weights [L, N] f32)``.
 
-    Same contract as :func:`pallas_kernels.attnres.reference.attnres_mix_reference`; ``block_n`` is a power of
-    two (tokens per program), ``max_chunk`` bounds the ``D`` chunk.
+    Same contract as :func:`pallas_kernels.attnres.reference.attnres_mix_reference`; ``config``:
+    :class:`~pallas_kernels.attnres.config.AttnResConfig` (None fields: tuned).
     """
+    cfg = tuning.resolve(AttnResConfig, config)
+    block_n = cfg.block_n
     L, N, D = sources.shape
     qw = query.astype(jnp.float32) * rms_weight.astype(jnp.float32) * scale
     norm_output = output_rms_weight is not None
     ow = output_rms_weight.astype(jnp.float32) if norm_output else jnp.ones((D,), jnp.float32)
-    kernel = functools.partial(_attnres_kernel, num_sources=L, width=D, chunk=_chunk_width(D, max_chunk),
+    kernel = functools.partial(_attnres_kernel, num_sources=L, width=D, chunk=_chunk_width(D, cfg.max_chunk),
                                eps=eps, norm_output=norm_output)
     return pl.pallas_call(
         kernel,
@@ -95,7 +99,7 @@ def attnres_mix_pallas(query: jax.Array, sources: jax.Array, rms_weight: jax.Arr
         in_specs=[pl.BlockSpec((D,), lambda i: (0,)), pl.BlockSpec((D,), lambda i: (0,)),
                   pl.BlockSpec((L, block_n, D), lambda i: (0, i, 0))],
         out_specs=(pl.BlockSpec((block_n, D), lambda i: (i, 0)), pl.BlockSpec((L, block_n), lambda i: (0, i))),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret_mode(),
         name="attnres_mix",
     )(qw, ow, sources)

@@ -2,7 +2,7 @@
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/greedy/bench.py`` (JSON to ``$OUT/greedy_bench.json``). Device time
 and distinct kernels per call from a ``jax.profiler`` trace (at decode sizes the launches matter: each kernel of
-an engine step also costs host time, BENCHMARKS.md session 6). Roofline: the fp32 logits read once at the copy
+an engine step also costs host time: BENCHMARKS.md, engine step graph). Roofline: the fp32 logits read once at the copy
 bandwidth measured here.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.greedy.kernel import greedy_pallas
 from pallas_kernels.greedy.reference import greedy_reference
@@ -32,6 +33,8 @@ def main():
         result["cases"].append(case)
         print(f"{rows:>5} {timing_columns(case)} {str(same):>10}", flush=True)
         save_json(result, "greedy_bench.json")
+    bench_checks.finish("greedy bench", [f"N={c['rows']}: token ids differ from the reference" for c in result["cases"]
+                                         if not c["ids_equal"]])
 
 
 if __name__ == "__main__":

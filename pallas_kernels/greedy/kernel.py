@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
+from pallas_kernels.greedy.config import GreedyConfig
 from pallas_kernels.impl import interpret_mode
 
 
@@ -32,18 +34,20 @@ def _partials_kernel(logits_ref, max_ref, index_ref, sum_ref, *, vocab, chunk):
     sum_ref[row, c] = jnp.sum(jnp.exp(x - shift))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
-def greedy_pallas(logits: jax.Array, *, chunk: int = 8192, num_warps: int = 8) -> tuple[jax.Array, jax.Array]:
-    """Same contract as :func:`pallas_kernels.greedy.reference.greedy_reference` (``logits [N, V]``)."""
+@functools.partial(jax.jit, static_argnames=("config",))
+def greedy_pallas(logits: jax.Array, *, config: GreedyConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """Same contract as :func:`pallas_kernels.greedy.reference.greedy_reference` (``logits [N, V]``); ``config``:
+    :class:`~pallas_kernels.greedy.config.GreedyConfig` (None fields: tuned)."""
     rows, vocab = logits.shape
-    chunk = min(chunk, pl.next_power_of_2(vocab))
+    cfg = tuning.resolve(GreedyConfig, config)
+    chunk = min(cfg.chunk, pl.next_power_of_2(vocab))
     chunks = pl.cdiv(vocab, chunk)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     outs = tuple(jax.ShapeDtypeStruct((rows, chunks), dtype) for dtype in (jnp.float32, jnp.int32, jnp.float32))
     top, index, total = pl.pallas_call(
         functools.partial(_partials_kernel, vocab=vocab, chunk=chunk), out_shape=outs, grid=(rows, chunks),
         in_specs=[whole(logits)], out_specs=tuple(whole(o) for o in outs),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret_mode(), name="greedy_sample",
     )(logits)
     best = jnp.max(top, axis=-1, keepdims=True)

@@ -11,36 +11,29 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import resolve_impl
+from pallas_kernels.kda.config import ChunkKDAConfig, KDADecodeConfig
 from pallas_kernels.kda.reference import (chunk_kda_reference, fused_recurrent_kda_reference, gated_rms_norm, kda_gate,
                                           l2_normalize, naive_recurrent_kda)
 
-__all__ = ["chunk_kda", "chunk_kda_reference", "decode_split_v", "fused_recurrent_kda", "fused_recurrent_kda_reference",
-           "fused_recurrent_kda_verify", "gated_rms_norm", "kda_gate", "l2_normalize", "naive_recurrent_kda"]
+__all__ = ["ChunkKDAConfig", "KDADecodeConfig", "chunk_kda", "chunk_kda_reference", "decode_split_v",
+           "fused_recurrent_kda", "fused_recurrent_kda_reference", "fused_recurrent_kda_verify", "gated_rms_norm",
+           "kda_gate", "l2_normalize", "naive_recurrent_kda"]
 
 MAX_VERIFY_TOKENS = 8
-DECODE_SPLIT_V: int | None = 64
-"""``split_v`` the model's decode step passes to :func:`fused_recurrent_kda` past :data:`FUSED_DECODE_MAX_ROWS`
-(None: always the single-program fused kernel). Chosen by the H200 decode sweep of ``kda/bench.py``
-(BENCHMARKS.md); ``bench_decode --kda-split-v`` sets it for an engine run."""
-FUSED_DECODE_MAX_ROWS = 8192
-"""Decode steps with at most this many (sequence, value head) rows take the single-program fused kernel (one
-launch, one program per (sequence, head) owning its whole state and conv channels). H200, H=32, profiler device us
-per step, fused (whole state, 4 warps) against split-V 64 + its epilogue (session 16, fp32 pool): batch 1 5.3 /
-7.3, 16 24.6 / 29.9, 64 89.6 / 97.9, 256 348.8 / 360.4; bf16 pool: batch 64 60.7 / 70.1, 256 220.4 / 247.2.
-Walking the state in pipelined V slices (``block_v`` 32 or 64) was 2-10% slower than the whole state at every
-batch. With 8 warps the fused kernel had lost to split-V at batch 64 (session 6). Past 8192 rows (not timed)
-split-V stays."""
 
 
-def decode_split_v(num_seqs: int, num_v_heads: int) -> int | None:
-    """The decode step's ``split_v``: None (the fused kernel) up to :data:`FUSED_DECODE_MAX_ROWS` rows of
-    ``num_seqs * num_v_heads``, else :data:`DECODE_SPLIT_V`."""
-    return None if num_seqs * num_v_heads <= FUSED_DECODE_MAX_ROWS else DECODE_SPLIT_V
+def decode_split_v(num_seqs: int, num_v_heads: int, config: KDADecodeConfig | None = None) -> int | None:
+    """The decode step's kernel: None (the fused kernel) up to ``fused_max_rows`` rows of ``num_seqs *
+    num_v_heads``, else the split-V kernel's slice width ``split_v`` (None when it is 0: never split)."""
+    cfg = tuning.resolve(KDADecodeConfig, config)
+    return None if num_seqs * num_v_heads <= cfg.fused_max_rows or not cfg.split_v else cfg.split_v
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, checkpoint_positions=None,
-              use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, impl=None):
+              use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None, impl=None,
+              config: ChunkKDAConfig | None = None):
     """Chunked KDA over dense ``[B, T]`` or packed varlen (``B == 1`` + ``cu_seqlens``) batches.
 
     Args:
@@ -57,6 +50,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         reference (same results, 2-3x cheaper to compile: the CPU default inside the model), or the Pallas
         kernel (K and V powers of 2, >= 16; bf16 inputs use bf16 dot operands with fp32 accumulation like
         flash-linear-attention, fp32 inputs exact fp32).
+      config: the Pallas kernel's launch knobs (None: tuned for the device; see :class:`ChunkKDAConfig`).
 
     Returns:
       ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32 | None)``.
@@ -68,7 +62,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 cu_seqlens=cu_seqlens, checkpoint_positions=checkpoint_positions,
                                 use_qk_l2norm=use_qk_l2norm, A_log=A_log, dt_bias=dt_bias,
-                                lower_bound=lower_bound)
+                                lower_bound=lower_bound, config=config)
     out_dtype = q.dtype
     if A_log is not None:
         g = kda_gate(g, A_log, dt_bias, lower_bound)
@@ -87,7 +81,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
 
 def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                               eps: float = 1e-5, block_v: int | None = None, layer: int | None = None, impl=None):
+                               eps: float = 1e-5, layer: int | None = None, impl=None,
+                               config: KDADecodeConfig | None = None):
     """KDA step for ``Tq <= 8`` tokens per sequence; states after token t land in slot ``out_slots[n, t]``.
 
     Args:
@@ -101,10 +96,10 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         conv and recurrent state after each token (negative: not written).
       gate_logits: ``[N, Tq, HV*V]`` output-gate logits; o_norm_weight: ``[V]``; eps: RMSNorm epsilon.
       scale: q scale, default ``K**-0.5``.
-      block_v: Pallas tuning, the width of the state slices a program walks (default V; see recurrent.py).
       layer: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks (leading axis L) and row ``layer``
         is used; the Pallas kernels read it in place (a slice handed to a Pallas call is copied first).
       impl: ``None | "reference" | "pallas"``.
+      config: the Pallas kernel's launch knobs (None: tuned for the device; see :class:`KDADecodeConfig`).
 
     Returns:
       ``(y [N, Tq, HV*V] in mixed_qkv.dtype (gated-RMSNormed, before o_proj), conv_state, state)``. Donate the
@@ -117,7 +112,7 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
         return fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias,
                                           state, slots, out_slots, gate_logits, o_norm_weight, lower_bound=lower_bound,
-                                          scale=scale, eps=eps, block_v=block_v, layer=layer)
+                                          scale=scale, eps=eps, layer=layer, config=config)
     if layer is not None:
         conv_weight, A_log, dt_bias, o_norm_weight = (a[layer] for a in (conv_weight, A_log, dt_bias, o_norm_weight))
     return fused_recurrent_kda_reference(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
@@ -127,30 +122,30 @@ def fused_recurrent_kda_verify(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
 
 def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                         gate_logits, o_norm_weight, *, lower_bound=None, scale=None, eps: float = 1e-5,
-                        block_v: int | None = None, split_v: int | None = None, layer: int | None = None,
-                        impl=None):
+                        layer: int | None = None, impl=None, config: KDADecodeConfig | None = None):
     """One decode token per sequence, pools updated in place at ``slots``.
 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
-    ``split_v`` (Pallas): spread each state over ``V / split_v`` programs of ``[K, split_v]`` slices
-    (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and conv-state write then run in its
-    epilogue kernel) instead of one program per (sequence, head) doing everything (the model's choice:
-    :func:`decode_split_v`).
+    Pallas: up to ``config.fused_max_rows`` (sequence, value head) rows one program per (sequence, head) does
+    everything; past it (:func:`decode_split_v`) each state is spread over ``V / split_v`` programs of ``[K,
+    split_v]`` slices (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and conv-state write
+    then run in its epilogue kernel).
     ``layer``: as in :func:`fused_recurrent_kda_verify`.
 
     Returns:
       ``(y [N, HV*V], conv_state [S, W-1, C], state [S, HV, K, V])``.
     """
+    split_v = decode_split_v(mixed_qkv.shape[0], state.shape[1], config)
     if split_v is not None and resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.recurrent import fused_recurrent_kda_split_v_pallas
 
         return fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log,
                                                   dt_bias, state, slots, gate_logits, o_norm_weight,
-                                                  lower_bound=lower_bound, scale=scale, eps=eps, block_v=split_v,
-                                                  layer=layer)
+                                                  lower_bound=lower_bound, scale=scale, eps=eps, layer=layer,
+                                                  config=config)
     y, conv_state, state = fused_recurrent_kda_verify(
         mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias, state,
         slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale, eps=eps,
-        block_v=block_v, layer=layer, impl=impl)
+        layer=layer, impl=impl, config=config)
     return y[:, 0], conv_state, state

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import kernel_split_us
-from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
+from pallas_kernels.kda import ChunkKDAConfig, KDADecodeConfig, chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.chunk import chunk_kda_pallas
 
 CHUNK = 64
@@ -94,6 +95,35 @@ def device_ceilings():
     del x, y, a, b
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * 2**31 / copy_s, "bf16_matmul_flops": 2 * 8192**3 / mm_s}
+
+
+CHECK_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+"""Relative (norm) error bounds of the checks: fp32 inputs run exact fp32 dots (the CPU tests' 1e-4), bf16 inputs
+bf16 dot operands (2e-2); the decode rows' bf16 inputs and pools, 2e-2."""
+
+
+def check_tolerance(path: str) -> float | None:
+    """The bound of a check result (``correctness_checks``' ``"float32 softplus"[i]`` or a decode row's error
+    field), None for what is not a check."""
+    if path.startswith("rows"):
+        return CHECK_TOL["bfloat16"] if "err_vs_ref" in path else None
+    return CHECK_TOL["bfloat16" if path.startswith("bfloat16") else "float32"]
+
+
+def run_checks(report: dict, check, *args) -> list[str]:
+    """Run ``check(*args)`` into ``report["checks"]`` -> its failures: a crash, no results, or an error over its
+    bound."""
+    report["checks"], failures = bench_checks.run(check, *args)
+    return failures + bench_checks.over(report["checks"], check_tolerance)
+
+
+def row_failures(report: dict) -> list[str]:
+    """The rows' failures: a decode row's check over its bound, or a row whose own kernels did not compile or
+    run (a reference's or FLA's failure is recorded, not a failed check)."""
+    rows = {f"rows/{r['name'] if 'name' in r else (r['H'], r['B'], r['state_dtype'])}": r for r in report["rows"]}
+    checked = {k: {f: v for f, v in r.items() if "err_vs_ref" in f} for k, r in rows.items() if r["kind"] == "decode"}
+    return bench_checks.over(checked, check_tolerance) + [f"{k}: {r['error']}" for k, r in rows.items()
+                                                          if r.get("error", "").startswith("ours")]
 
 
 def correctness_checks(key):
@@ -197,7 +227,7 @@ class PrefillCase:
         if self.lower_bound is None:
             variants["ours_adaptive"] = jax.jit(lambda q, k, v, g, beta, cu, A_log, dt_bias: chunk_kda_pallas(
                 q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
-                adaptive_diagonal=True)[:2])
+                config=ChunkKDAConfig(adaptive_diagonal=True))[:2])
         args = prefill_args(self.x)
         for label, fn in variants.items():
             if label != "ours" and self.out is not None:
@@ -275,8 +305,11 @@ DECODE_SPLIT_V = (16, 32, 64)
 
 @functools.partial(jax.jit, static_argnames=("impl", "block_v", "split_v"), donate_argnums=(0, 1))
 def decode_step(conv_state, state, *rest, impl, block_v=None, split_v=None):
+    """One decode step; ``split_v``: the split-V kernel at that width, whatever the batch (None: the tuned
+    choice); ``block_v``: the fused kernel's state slices."""
+    config = KDADecodeConfig(block_v=block_v, **(dict(split_v=split_v, fused_max_rows=0) if split_v else {}))
     return fused_recurrent_kda(conv_state=conv_state, state=state, lower_bound=LOWER_BOUND, impl=impl,
-                               block_v=block_v, split_v=split_v, **dict(zip(REST_ORDER, rest)))
+                               config=config, **dict(zip(REST_ORDER, rest)))
 
 
 class DecodeCase:
@@ -570,11 +603,9 @@ def main():
         report["rows"].append(case.row)
         guarded(case.row, "ours compile", lambda: case.compile("pallas"))
     print(f"ours compiled at {elapsed():.0f} s", flush=True)
+    failures = []
     if not args.no_checks:
-        try:
-            report["checks"] = correctness_checks(key)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        failures = run_checks(report, correctness_checks, key)
         save()
     if not args.no_ref:
         for case in decode:
@@ -623,6 +654,10 @@ def main():
     save()
     print_table(report["ceilings"], report["rows"])
     print("skipped:", report["skipped"], f"total {elapsed():.0f} s", flush=True)
+    if not args.no_checks:
+        report["check_failures"] = failures + row_failures(report)
+        save()
+        bench_checks.finish("kda bench", report["check_failures"])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,11 @@ chunk summaries ``w, u, qg, kg, A_qk`` are stored in the dot dtype, which is wha
 On the GPU, ``exp`` and the gate's ``log1p`` and reciprocal are PTX approximations (``ex2`` / ``lg2`` / ``rcp
 .approx.ftz``; ~2e-7 relative plus the rounding of ``x log2(e)``, below 1e-5 for the exponents here; the fp32
 tests hold 1e-4 on the H200): libdevice's exact ``expf`` took a large share of the intra kernel's elementwise
-instructions (session 19: H32 T8K 998.6 us against 1076.8 us). Interpret mode keeps ``jnp.exp``.
+instructions (H32 T8K 998.6 us against 1076.8 us; BENCHMARKS.md, KDA prefill). Interpret mode keeps ``jnp.exp``.
+
+Launch knobs: :class:`pallas_kernels.kda.config.ChunkKDAConfig`. Shared memory (:mod:`pallas_kernels.tuning`):
+the scan's pipelined chunk summaries dominate (:func:`scan_smem_bytes`), and fewer stages or a narrower
+``block_v`` are taken where they do not fit (fp32 inputs at K = V = 128: one stage).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode
+from pallas_kernels.kda.config import ChunkKDAConfig
 from pallas_kernels.kda.reference import SOFTPLUS_THRESHOLD, gate_from_logits
 
 CHUNK = 64
@@ -140,8 +146,8 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
     segmented sums over the ``b``-row halves: a row's log-decays through it in its half (rows) and those after
     it in its half (columns), an in-register cumsum of the ``[16 / b, b, K]`` reshape. Per level: one
     exponential per element and two ``[SUB, K] x [K, SUB]`` dots in the dot dtype; no row loop, row selects or
-    exponent dots (H32 T8K, softplus gate: 373.1 us in session 23 against 449.3 with the exponents as fp32
-    ``S_b @ log_decay`` dots, and 568.5 in session 22 for the masked row loop)."""
+    exponent dots (H32 T8K, softplus gate: 373.1 us against 449.3 with the exponents as fp32 ``S_b @ log_decay``
+    dots, and 568.5 for a masked row loop; BENCHMARKS.md, KDA prefill)."""
     rows = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cols = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     row_index = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
@@ -165,7 +171,7 @@ def _diagonal_block_dyadic(q, k, log_decay, opts):
 def _diagonal_block_midpoint(q, k, G, mid, opts):
     """:func:`_diagonal_block_dyadic`'s blocks from the cumsum ``G`` through its midpoint row ``mid = G[SUB // 2]``
     (``[1, K]``): exponents bounded by ``max |G - mid|`` (8 |g| under the lower-bound gate), one exponential per
-    element and two dots (session 22: 160.4 us at H32 T8K against 435.5 for the dyadic form with this gate)."""
+    element and two dots (160.4 us at H32 T8K against 435.5 for the dyadic form with this gate)."""
     k_out, from_mid, dtype = k * opts.exp(mid - G), opts.exp(G - mid), opts.dot_dtype
     return _dot(k * from_mid, k_out, dtype, trans_b=True), _dot(q * from_mid, k_out, dtype, trans_b=True)
 
@@ -211,8 +217,8 @@ def _diagonal_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, g_ref, beta_ref
     load as zeros; a sub-chunk with none left (the last chunk's tail, the padding chunks) skips the block and stores
     zeros, since the intra kernel reads every sub-chunk of a chunk it computes and its blocks must stay finite. The
     sub-chunk cumsum of the log-decays goes to ``glocal_ref [T, HV, K]`` (valid rows only) for the intra kernel,
-    which then applies neither the gate nor the cumsum (session 23, H32 T8K: intra 366.5 us against 477.4, this
-    launch +30 us). The q / k L2 norm is still computed in both launches: writing it out once would cost about as
+    which then applies neither the gate nor the cumsum (H32 T8K: intra 366.5 us against 477.4, this launch +30
+    us). The q / k L2 norm is still computed in both launches: writing it out once would cost about as
     much as it saves, by instruction count (not timed)."""
     chunk, sub, hv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = hv // opts.group
@@ -246,7 +252,7 @@ def _intra_kernel(chunk_bos_ref, chunk_len_ref, q_ref, k_ref, v_ref, glocal_ref,
     """``refs``: the diagonal blocks ``[NUM_SUB, SUB, SUB]`` of :func:`_diagonal_kernel` (t, qk), then the outputs
     ``w, u, qg, kg, aqk, decay``. Each earlier sub-chunk ``j`` stays live as ``k_j exp(G_end_j - G_j)`` and the
     vector ``G_end_j`` (its last row of ``G``), not as its ``k`` and ``G`` tiles: fewer live registers and one
-    tile exponential per use instead of two (session 22, H32 T8K: 472.9 us against 512.7). ``glocal_ref``: the
+    tile exponential per use instead of two (H32 T8K: 472.9 us against 512.7). ``glocal_ref``: the
     diagonal launch's sub-chunk cumsums of the log-decays; ``G`` adds the previous sub-chunk's end to them."""
     t_diag_ref, qk_diag_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, decay_ref = refs
     chunk, hv = pl.program_id(0), pl.program_id(1)
@@ -362,6 +368,39 @@ def _scan_kernel(seq_order_ref, seq_chunk0_ref, seq_num_chunks_ref, seq_bos_ref,
         lax.fori_loop(0, (num_rows - end + CHUNK - 1) // CHUNK, zero, 0)
 
 
+def scan_smem_bytes(cfg: ChunkKDAConfig, head_dim: int, value_dim: int, dot_dtype, checkpoints: bool) -> int:
+    """Shared memory of the scan (:mod:`pallas_kernels.tuning`'s estimate): per loop step it loads one chunk's
+    ``w, qg, kg [C, K]``, ``u [C, block_v]``, ``A_qk [C, C]`` (dot dtype) and ``exp(G_C) [K]`` (fp32),
+    ``scan_stages`` deep; the state ``[K, block_v]``, ``U [C, block_v]`` and, with checkpoints, ``k exp(G_r - G)
+    [C, K]`` are built in registers and staged into its dots."""
+    block_v = min(cfg.block_v, value_dim)
+    step = (tuning.nbytes(dot_dtype, CHUNK, 3 * head_dim + block_v + CHUNK) + tuning.nbytes(jnp.float32, head_dim))
+    staged = tuning.nbytes(dot_dtype, head_dim + CHUNK, block_v) + checkpoints * tuning.nbytes(dot_dtype, CHUNK,
+                                                                                              head_dim)
+    return cfg.scan_stages * step + staged
+
+
+def intra_smem_bytes(head_dim: int, value_dim: int, dot_dtype) -> int:
+    """Shared memory of the intra kernel (no loop, so nothing is pipelined): per sub-chunk the dot operands it
+    builds (``q, k`` scaled through the sub-chunk start, the kept keys ``[SUB, K]``, both right-hand sides, the
+    ``[SUB, SUB]`` blocks), the solved ``u, w`` of every sub-chunk, live until the chunk's last, and the diagonal
+    launch's ``[NUM_SUB, SUB, SUB]`` blocks."""
+    per_sub = tuning.nbytes(dot_dtype, SUB, 4 * head_dim + value_dim + 2 * SUB)
+    return per_sub + tuning.nbytes(dot_dtype, NUM_SUB * SUB, head_dim + value_dim + 2 * SUB)
+
+
+def fit_config(config: ChunkKDAConfig | None, head_dim: int, value_dim: int, dot_dtype,
+               checkpoints: bool) -> ChunkKDAConfig:
+    """The resolved config with a scan that fits the device's shared memory (fewer ``scan_stages``, then a
+    narrower ``block_v``, down to 16); ValueError when K / V are too wide for any (or for the intra kernel)."""
+    cfg = tuning.resolve(ChunkKDAConfig, config)
+    cfg = dataclasses.replace(cfg, block_v=min(cfg.block_v, value_dim))
+    what = f"K={head_dim}, V={value_dim} with {jnp.dtype(dot_dtype).name} inputs"
+    tuning.fit("kda_chunk_intra", cfg, lambda c: intra_smem_bytes(head_dim, value_dim, dot_dtype), what=what)
+    return tuning.fit("kda_chunk_scan", cfg, lambda c: scan_smem_bytes(c, head_dim, value_dim, dot_dtype, checkpoints),
+                      tuning.smaller(cfg, "scan_stages", [("block_v", 16)]), what=what)
+
+
 def _chunk_plan(cu_seqlens, num_seqs, num_tokens):
     """Chunk metadata (int32): per chunk ``bos``/``len`` over a static ``NC = T//C + N + 1``; per sequence the
     first chunk, chunk count, ``bos`` and length."""
@@ -388,32 +427,14 @@ def _full(shape):
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
                      checkpoint_positions=None, use_qk_l2norm=False, A_log=None, dt_bias=None, lower_bound=None,
-                     block_v: int = 32, intra_warps: int = 4, scan_warps: int = 4, intra_stages: int = 2,
-                     scan_stages: int = 3, diagonal_warps: int | None = None, fast_math: bool | None = None,
-                     adaptive_diagonal: bool = False):
+                     config: ChunkKDAConfig | None = None):
     """Pallas chunked KDA; same contract as :func:`pallas_kernels.kda.chunk_kda` (K, V powers of 2, >= 16).
 
-    Defaults are the H200 sweeps' best (BENCHMARKS.md; H32 T8K). Three launches: the diagonal blocks, grid (chunk,
-    sub-chunk, value head) with ``diagonal_warps`` (default 2 for the dyadic form, 1 for the midpoint form; session
-    22, dyadic: 447.3 us against 552.8 with 4 warps and 1324.5 with 1),
-    then the intra kernel, then the scan. The diagonal launch also inverts each 16 x 16 block (session 20, H32 T8K:
-    softplus 1394.0 us against 1461.7 with the inverses in the intra kernel; lower bound 987.2 against 1002.5 with
-    the midpoint blocks and inverses in the intra kernel, and 1007.8 / 1015.9 with 2 / 4 diagonal warps). Session 18,
-    softplus gate: diagonal 620 us with 2 warps, 986 with 4, 1309 with 1; intra 821-823 us with 8 warps, 1498 with
-    4; the whole prefill 1664 us against 3215 us with the row loop inside the intra kernel. With the diagonal
-    blocks and their inverses out of the intra kernel, ``intra_warps=4`` is fastest (session 20, H32 T8K: lower
-    bound 892.4 us against 997.1 with 8 and 1307.2 with 2; softplus 1287.1 against 1421.6 / 1723.0; in session 4,
-    with the midpoint blocks inside it, 8 warps had won, 1309 us against 1892; session 22, with the kept keys
-    ``k_j exp(G_end_j - G_j)``: 473.1 us against 632.3 with 8). The scan is fastest with 4 warps
-    (314 us against 404 us with 8; session 20: 214.3 against 304.5) and ``scan_stages=3``, which prefetches two
-    chunks' ``w, u, qg, kg, A_qk`` ahead of the sequential state update (session 18, H32 T8K, lower-bound gate:
-    233.5 us against 315.5 us with 2 stages; block_v 64: 281.5 / 364.7 us, session 20: 257.0 against 214.3; 4
-    stages at block_v 64 exceed the shared memory). ``intra_stages`` stays 2 (session 20: 1 stage within 0.5% at 4
-    warps; 1 and 3 within 0.1% at 8).
-    ``fast_math`` (default: on the GPU) picks the PTX approximations over ``jnp.exp`` / the exact gate.
-    ``adaptive_diagonal`` (gates without a lower bound): each diagonal block takes the midpoint form when its span
-    allows (:func:`_diagonal_block_any_gate`), else the dyadic form; off until the H200 times it (the bench's
-    softplus rows time both; SASS per program: 4200 dyadic, about 2400 midpoint, 4944 static for both).
+    Three launches: the diagonal blocks, grid (chunk, sub-chunk, value head), each inverting its 16 x 16 block
+    (H32 T8K, softplus gate: 1394.0 us against 1461.7 with the inverses in the intra kernel), then the intra
+    kernel, then the scan. ``config``: launch knobs (None fields: tuned, see
+    :class:`~pallas_kernels.kda.config.ChunkKDAConfig`), shrunk to what the device's shared memory holds
+    (:func:`fit_config`).
 
     Returns ``(o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] fp32, checkpoints [N, P, HV, K, V] fp32
     | None)``.
@@ -426,13 +447,15 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     elif batch != 1:
         raise ValueError(f"cu_seqlens requires B == 1, got B={batch}")
     num_seqs = cu_seqlens.shape[0] - 1
-    block_v = min(block_v, value_dim)
     dot_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16
+    num_positions = 0 if checkpoint_positions is None else checkpoint_positions.shape[1]
+    cfg = fit_config(config, head_dim, value_dim, dot_dtype, num_positions > 0)
+    block_v = cfg.block_v
     interpret = interpret_mode()
-    fast_math = not interpret if fast_math is None else fast_math
+    fast_math = not interpret if cfg.fast_math is None else cfg.fast_math
     opts = _Options(group=num_value_heads // num_heads, scale=head_dim**-0.5 if scale is None else float(scale),
                     normalize_qk=use_qk_l2norm, has_gate=A_log is not None, lower_bound=lower_bound,
-                    dot_dtype=dot_dtype, fast_math=fast_math, adaptive_diagonal=adaptive_diagonal)
+                    dot_dtype=dot_dtype, fast_math=fast_math, adaptive_diagonal=cfg.adaptive_diagonal)
     flat = lambda x: x.reshape((num_tokens,) + x.shape[2:])
     q, k, v, g, beta = map(flat, (q, k, v, g, beta))
     if A_log is None:
@@ -440,8 +463,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
     a_log = A_log.astype(jnp.float32)
     dt_bias = dt_bias.astype(jnp.float32).reshape(num_value_heads, head_dim)
     max_chunks, chunk_meta, seq_meta = _chunk_plan(cu_seqlens.astype(jnp.int32), num_seqs, num_tokens)
-    if diagonal_warps is None:
-        diagonal_warps = 1 if opts.midpoint_diagonal else 2
+    diagonal_warps = cfg.diagonal_warps_midpoint if opts.midpoint_diagonal else cfg.diagonal_warps_dyadic
     diagonal_inputs = (*chunk_meta, q, k, g, beta, a_log, dt_bias)  # the diagonal blocks, many small programs per SM
     diag = jax.ShapeDtypeStruct((num_value_heads, max_chunks, NUM_SUB, SUB, SUB), dot_dtype)
     glocal = jax.ShapeDtypeStruct((num_tokens, num_value_heads, head_dim), jnp.float32)
@@ -468,16 +490,14 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         in_specs=[_full(x.shape) for x in whole_inputs] + [diagonal_spec] * 2,
         out_specs=(block(head_dim), block(value_dim), block(head_dim), block(head_dim), block(CHUNK),
                    pl.BlockSpec((None, None, head_dim), lambda c, h: (h, c, 0))),
-        compiler_params=pltriton.CompilerParams(num_warps=intra_warps, num_stages=intra_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.intra_warps, num_stages=cfg.intra_stages),
         interpret=interpret, name="kda_chunk_intra",
     )(*whole_inputs, t_blocks, qk_blocks)
 
     has_initial_state = initial_state is not None
     s0 = initial_state.astype(jnp.float32) if has_initial_state else jnp.zeros((1,), jnp.float32)
-    if checkpoint_positions is None:
-        positions, num_positions = jnp.zeros((1, 1), jnp.int32), 0
-    else:
-        positions, num_positions = checkpoint_positions.astype(jnp.int32), checkpoint_positions.shape[1]
+    positions = (jnp.zeros((1, 1), jnp.int32) if checkpoint_positions is None
+                 else checkpoint_positions.astype(jnp.int32))
     order = jnp.argsort(-seq_meta[3], stable=True).astype(jnp.int32)  # sequences by decreasing length
     end = cu_seqlens[-1:].astype(jnp.int32)  # rows from here on belong to no sequence
     scan_inputs = (order, *seq_meta, positions, w, u, qg, kg, aqk, decay, s0, k, g, a_log, dt_bias, end)
@@ -493,7 +513,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seq
         grid=(num_value_heads, value_dim // block_v, num_seqs),
         in_specs=[_full(x.shape) for x in scan_inputs],
         out_specs=tuple(_full(s.shape) for s in out_shape),
-        compiler_params=pltriton.CompilerParams(num_warps=scan_warps, num_stages=scan_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.scan_warps, num_stages=cfg.scan_stages),
         interpret=interpret, name="kda_chunk_scan",
     )(*scan_inputs)
     o = outs[0].reshape(batch, seq_len, num_value_heads, value_dim)

@@ -17,7 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode, layer_stacks
+from pallas_kernels.kda.config import WIDE_SPLIT_V, KDADecodeConfig
 from pallas_kernels.kda.reference import gate_from_logits, gated_rms_norm
 
 L2_EPS = 1e-6
@@ -116,23 +118,30 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
     write_conv_rows(conv_writes)
 
 
+def recurrent_smem_bytes(num_stages: int, block_v: int, value_dim: int, head_dim: int, width: int, num_tokens: int,
+                         state_dtype) -> int:
+    """Shared memory of the fused kernel (:mod:`pallas_kernels.tuning`'s estimate; it has no dots): the cross-warp
+    reductions over K of each token's ``[K, block_v]`` products (fp32), and when it walks V slices (``block_v <
+    V``) each slice's ``[K, block_v]`` state and ``W - 1 + Tq`` conv rows, ``num_stages`` deep."""
+    step = tuning.nbytes(state_dtype, head_dim, block_v) + tuning.nbytes(jnp.float32, width - 1 + num_tokens, block_v)
+    return (block_v < value_dim) * num_stages * step + tuning.nbytes(jnp.float32, 2 * num_tokens, block_v)
+
+
 def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                               eps: float = 1e-5, num_warps: int | None = None, block_v: int | None = None,
-                               num_stages: int | None = None, layer: int | None = None):
+                               eps: float = 1e-5, layer: int | None = None, config: KDADecodeConfig | None = None):
     """Pallas version of :func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` (same arguments
-    and returns; K and V powers of 2). The pools are updated in place when donated. ``block_v`` (a power of 2
-    dividing V; default V) walks the ``[K, V]`` state in ``[K, block_v]`` slices by a loop that Triton
-    software-pipelines over ``num_stages`` (default 2; 1 without slices), so a program holds one slice in registers
-    while the next is in flight (the state columns are independent in the delta rule); on the H200 this was 2-10%
-    slower than the whole state at batch 1-256 (session 16).
+    and returns; K and V powers of 2). The pools are updated in place when donated. ``config.block_v`` (a power
+    of 2 dividing V; tuned null: V) walks the ``[K, V]`` state in ``[K, block_v]`` slices by a loop that Triton
+    software-pipelines over ``sliced_stages`` stages, so a program holds one slice in registers while the next is
+    in flight (the state columns are independent in the delta rule). Warps: ``fused_warps`` for one token,
+    ``verify_warps`` for several (:class:`~pallas_kernels.kda.config.KDADecodeConfig`).
     ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks read at row ``layer`` in place
-    (see :func:`fused_recurrent_kda_split_v_pallas`). ``num_warps`` defaults to 4 for one token (H200, H=32,
-    batch 1-16: 1.4-1.8x faster than 8; session 15) and 8 for verification (not swept)."""
+    (see :func:`fused_recurrent_kda_split_v_pallas`)."""
     num_seqs, num_tokens, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     (conv_weight, A_log, dt_bias, o_norm_weight), layer = layer_stacks(layer, conv_weight, A_log, dt_bias,
@@ -140,9 +149,15 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
     width = conv_weight.shape[2]
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
     interpret = interpret_mode()
-    block_v = value_dim if block_v is None else block_v
+    cfg = tuning.resolve(KDADecodeConfig, config)
+    block_v = value_dim if cfg.block_v is None else cfg.block_v
     if value_dim % block_v:
         raise ValueError(f"block_v={block_v} must divide V={value_dim}")
+    estimate = functools.partial(recurrent_smem_bytes, block_v=block_v, value_dim=value_dim, head_dim=head_dim,
+                                 width=width, num_tokens=num_tokens, state_dtype=state.dtype)
+    num_stages = 1 if block_v == value_dim else tuning.fit(
+        "kda_fused_recurrent", cfg.sliced_stages, estimate, range(cfg.sliced_stages - 1, 0, -1),
+        what=f"K={head_dim}, block_v={block_v}")
     kernel = functools.partial(
         _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, width=width,
         num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
@@ -157,8 +172,8 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         kernel, out_shape=out_shape, grid=(num_seqs, num_heads),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={2: 1, 7: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if num_tokens == 1 else 8),
-                                                num_stages=num_stages or (1 if block_v == value_dim else 2)),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=cfg.fused_warps if num_tokens == 1 else cfg.verify_warps, num_stages=num_stages),
         interpret=interpret, name="kda_fused_recurrent",
     )(*inputs)
 
@@ -242,16 +257,16 @@ def _split_v_epilogue_kernel(o_ref, gate_ref, norm_w_ref, shifted_ref, slots_ref
 
 def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state,
                                        slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                                       eps: float = 1e-5, block_v: int = 64, layer: int | None = None,
-                                       num_warps: int | None = None):
+                                       eps: float = 1e-5, layer: int | None = None,
+                                       config: KDADecodeConfig | None = None):
     """Decode step (one token per sequence) with the state split over programs along V.
 
     Same arguments and results as :func:`pallas_kernels.kda.fused_recurrent_kda` (mixed_qkv ``[N, C]``, g_raw
     ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, pools updated in place at ``slots``).
     Grid ``(V / block_v, HV, N)``: each program updates a ``[K, block_v]`` slice of one state (the delta rule's
     V columns are independent) with few warps, like flash-linear-attention's decode kernel, instead of one
-    program holding the whole ``[K, V]`` state. The V slices of one state are neighbouring programs (H200 sweep,
-    session 6: 4% faster at H=96 with an fp32 pool, 4-12% with bf16, equal at H=32). Every program recomputes
+    program holding the whole ``[K, V]`` state. The V slices of one state are neighbouring programs (4% faster at
+    H=96 with an fp32 pool, 4-12% with bf16, equal at H=32). Every program recomputes
     its head's q/k conv (K values), so no program may overwrite the conv state that others still read: the
     programs write each sequence's next conv rows to a separate ``[N, W-1, C]`` output (every program its V
     columns, the first program of a head its q / k channels). A second kernel, grid ``(N, HV)``, then applies
@@ -259,16 +274,18 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
     launch instead of XLA's four (the norm's reduction and scaling, the scatter's select and update).
     ``layer``: conv_weight, A_log, dt_bias and o_norm_weight are per-layer stacks; the kernel reads row ``layer``
     of the first three in place, where a sliced operand would cost an XLA copy (a memcpy node of the step's CUDA
-    graph) per call. ``block_v`` above V means V. ``num_warps`` defaults to the H200 sweeps' best: 1 below 64
-    columns, 4 from 64 (BENCHMARKS.md, sessions 4 and 6)."""
+    graph) per call. ``config.split_v`` above V means V; warps: ``split_v_warps`` from
+    :data:`~pallas_kernels.kda.config.WIDE_SPLIT_V` columns, ``narrow_split_v_warps`` below (BENCHMARKS.md, KDA
+    decode)."""
     num_seqs, channels = mixed_qkv.shape
     _, num_value_heads, head_dim, value_dim = state.shape
     num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
     (conv_weight, A_log, dt_bias, o_norm_weight), layer = layer_stacks(layer, conv_weight, A_log, dt_bias,
                                                                         o_norm_weight)
-    block_v = min(block_v, value_dim)
+    cfg = tuning.resolve(KDADecodeConfig, config)
+    block_v = min(cfg.split_v or value_dim, value_dim)
     if value_dim % block_v:
-        raise ValueError(f"block_v={block_v} must divide V={value_dim}")
+        raise ValueError(f"split_v: block_v={block_v} must divide V={value_dim}")
     kernel = functools.partial(
         _split_v_kernel, group=num_value_heads // num_heads, width=conv_weight.shape[2], layer=layer,
         scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound, block_v=block_v)
@@ -281,7 +298,8 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
         kernel, out_shape=out_shape, grid=(value_dim // block_v, num_value_heads, num_seqs),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={7: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or (4 if block_v >= 64 else 1), num_stages=1),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=cfg.split_v_warps if block_v >= WIDE_SPLIT_V else cfg.narrow_split_v_warps, num_stages=1),
         interpret=interpret_mode(), name="kda_decode_split_v",
     )(*inputs)
     if channels % num_value_heads:  # the epilogue splits the conv channels evenly over the value heads
@@ -297,7 +315,7 @@ def fused_recurrent_kda_split_v_pallas(mixed_qkv, conv_weight, conv_state, g_raw
         out_shape=out_shape, grid=(num_seqs, num_value_heads),
         in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
         input_output_aliases={5: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.epilogue_warps, num_stages=1),
         interpret=interpret_mode(), name="kda_decode_epilogue",
     )(*inputs)
     return y, conv_state, state

@@ -9,12 +9,14 @@ stacked ``kv_b [L, R, H*(Kn+V)]`` parameter in place.
 
 XLA lowers these one-row batched products as a broadcast multiply (materialising ``[H, R, V]`` fp32) and a
 reduction, plus a concatenation for the query: 4.0 + 1.3 + 4.2 + 2.7 us per MLA layer of a Kimi-Linear
-batch-1 step on the H200 for 8.4 MB of weights (session 8 trace). fp32 accumulation, as
-``einsum(..., preferred_element_type=f32)``.
+batch-1 step on the H200 for 8.4 MB of weights (BENCHMARKS.md, MLA decode). fp32 accumulation, as
+``einsum(..., preferred_element_type=f32)``. Tiles: :class:`~pallas_kernels.mla.config.AbsorbQueriesConfig`,
+:class:`~pallas_kernels.mla.config.AbsorbOutputsConfig`, shrunk to the device's shared memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode, mma_block
+from pallas_kernels.mla.config import AbsorbOutputsConfig, AbsorbQueriesConfig
 
 BLOCK_T = 16  # query rows per program (the MMA's minimum; decode steps have 1-16)
 
@@ -77,43 +81,57 @@ def _check(x: jax.Array, kv_b: jax.Array, layer: int) -> int:
     return kv_b.shape[2] // heads
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "k_nope", "block_r"))
-def absorb_queries_pallas(q: jax.Array, kv_b: jax.Array, *, layer: int, k_nope: int, block_r: int = 64) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("layer", "k_nope", "config"))
+def absorb_queries_pallas(q: jax.Array, kv_b: jax.Array, *, layer: int, k_nope: int,
+                          config: AbsorbQueriesConfig | None = None) -> jax.Array:
     """``q [T, H, Kn+Kr]`` (the no-position part first), ``kv_b [L, R, H*(Kn+V)]`` -> ``q_abs [T, H, R+Kr]`` in
-    q's dtype: ``q[..., :Kn]`` through layer ``layer``'s W_UK (fp32 accumulation), then ``q[..., Kn:]``."""
+    q's dtype: ``q[..., :Kn]`` through layer ``layer``'s W_UK (fp32 accumulation), then ``q[..., Kn:]``. Shared
+    memory (no loop): the ``[BLOCK_T, Kn]`` queries and the ``[block_r, Kn]`` weight tile; ``block_r`` halves
+    (down to 16) until they fit."""
     tokens, heads, q_width = q.shape
     width = _check(q, kv_b, layer)
     rank = kv_b.shape[1]
     if not 0 < k_nope < q_width or k_nope > width:
         raise ValueError(f"k_nope={k_nope} does not fit q {q.shape} / kv_b {kv_b.shape}")
-    block_r = mma_block(rank, block_r)
+    cfg = tuning.resolve(AbsorbQueriesConfig, config)
+    cfg = dataclasses.replace(cfg, block_r=mma_block(rank, cfg.block_r))
+    estimate = lambda c: tuning.nbytes(q.dtype, BLOCK_T, k_nope) + tuning.nbytes(  # noqa: E731
+        kv_b.dtype, c.block_r, k_nope)
+    cfg = tuning.fit("mla_absorb_queries", cfg, estimate, tuning.smaller(cfg, "num_stages", [("block_r", 16)]),
+                     what=f"k_nope={k_nope}")
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     out = jax.ShapeDtypeStruct((tokens, heads, rank + q_width - k_nope), q.dtype)
     return pl.pallas_call(
-        functools.partial(_absorb_q_kernel, layer=layer, block_r=block_r, width=width, k_nope=k_nope),
-        out_shape=out, grid=(heads, rank // block_r, pl.cdiv(tokens, BLOCK_T)),
+        functools.partial(_absorb_q_kernel, layer=layer, block_r=cfg.block_r, width=width, k_nope=k_nope),
+        out_shape=out, grid=(heads, rank // cfg.block_r, pl.cdiv(tokens, BLOCK_T)),
         in_specs=[whole(q), whole(kv_b)], out_specs=whole(out),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret_mode(), name="mla_absorb_queries",
     )(q, kv_b)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "v_dim", "block_v", "block_k"))
-def absorb_outputs_pallas(o_lat: jax.Array, kv_b: jax.Array, *, layer: int, v_dim: int, block_v: int = 32,
-                          block_k: int = 128) -> jax.Array:
-    """``o_lat [T, H, R]``, ``kv_b [L, R, H*(Kn+V)]`` -> ``[T, H, V]`` f32 (layer ``layer``'s W_UV, V=v_dim)."""
+@functools.partial(jax.jit, static_argnames=("layer", "v_dim", "config"))
+def absorb_outputs_pallas(o_lat: jax.Array, kv_b: jax.Array, *, layer: int, v_dim: int,
+                          config: AbsorbOutputsConfig | None = None) -> jax.Array:
+    """``o_lat [T, H, R]``, ``kv_b [L, R, H*(Kn+V)]`` -> ``[T, H, V]`` f32 (layer ``layer``'s W_UV, V=v_dim).
+    Shared memory: per loop step the ``[BLOCK_T, block_k]`` latents and the ``[block_k, block_v]`` weight tile,
+    ``num_stages`` deep; fewer stages, then smaller ``block_k`` and ``block_v`` (down to 16) until they fit."""
     tokens, heads, rank = o_lat.shape
     width = _check(o_lat, kv_b, layer)
     if kv_b.shape[1] != rank or not 0 < v_dim < width:
         raise ValueError(f"o_lat {o_lat.shape} / v_dim={v_dim} do not match kv_b {kv_b.shape}")
-    block_v, block_k = mma_block(v_dim, block_v), mma_block(rank, block_k)
+    cfg = tuning.resolve(AbsorbOutputsConfig, config)
+    cfg = dataclasses.replace(cfg, block_v=mma_block(v_dim, cfg.block_v), block_k=mma_block(rank, cfg.block_k))
+    cfg = tuning.fit("mla_absorb_outputs", cfg, lambda c: c.num_stages * (
+        tuning.nbytes(o_lat.dtype, BLOCK_T, c.block_k) + tuning.nbytes(kv_b.dtype, c.block_k, c.block_v)),
+        tuning.smaller(cfg, "num_stages", [("block_k", 16), ("block_v", 16)]), what=f"R={rank}, V={v_dim}")
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     out = jax.ShapeDtypeStruct((tokens, heads, v_dim), jnp.float32)
     return pl.pallas_call(
-        functools.partial(_absorb_o_kernel, layer=layer, block_v=block_v, block_k=block_k, width=width,
+        functools.partial(_absorb_o_kernel, layer=layer, block_v=cfg.block_v, block_k=cfg.block_k, width=width,
                           k_nope=width - v_dim),
-        out_shape=out, grid=(heads, v_dim // block_v, pl.cdiv(tokens, BLOCK_T)),
+        out_shape=out, grid=(heads, v_dim // cfg.block_v, pl.cdiv(tokens, BLOCK_T)),
         in_specs=[whole(o_lat), whole(kv_b)], out_specs=whole(out),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret_mode(), name="mla_absorb_outputs",
     )(o_lat, kv_b)

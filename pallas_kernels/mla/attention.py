@@ -12,6 +12,7 @@ Rows that a key must not reach (other requests' pages, rows past the context) ar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,14 +21,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode
+from pallas_kernels.mla.config import MLADecodeConfig
 from pallas_kernels.mla.reference import NO_KEY_LSE, merge_partials, query_positions
 
-_TARGET_ROWS = 32  # score rows per program (H200 sweep 2026-11-30: 32 rows x 4 warps beat 64 x 8 warps)
-_TARGET_PROGRAMS = 264  # 2 waves of the H200's 132 SMs
-SHORT_KV_TOKENS = 32768  # decode batches whose whole latent cache (576 x 2 B per token) fits the H200's L2
-_SHORT_KV_PROGRAMS = 128
-_SHORT_KV_MAX_SPLITS = 32
+SHORT_KV_TOKENS = 32768
+"""Decode batches with at most this many cached tokens in all (their whole latent cache, 576 x 2 B per token, in
+the H200's L2) take the short-decode tiling, and never the Mosaic-GPU kernel."""
 
 
 def _next_pow2(x: int) -> int:
@@ -38,39 +39,53 @@ def _floor_pow2(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
-def choose_tiling(num_tokens: int, num_seqs: int, num_heads: int, max_context: int) -> dict:
-    """Static tiling heuristic -> dict(block_q, block_h, block_k, num_splits, num_warps, num_stages).
+def choose_tiling(num_tokens: int, num_seqs: int, num_heads: int, max_context: int,
+                  config: MLADecodeConfig | None = None) -> dict:
+    """Static tiling heuristic -> dict(block_q, block_h, block_k, num_splits, num_warps, num_stages), from the
+    constants of ``config`` (tuned; see :class:`~pallas_kernels.mla.config.MLADecodeConfig`).
 
     block_q follows the mean query tokens per sequence (1 for decode, up to 16 for prefill); block_h fills the
-    rest of a 32-row tile (at least 16 rows: the Triton dot minimum). 16-row tiles stream 64 keys per step
-    with 3 stages, larger ones 32 keys with 2 (64 rows x 64 keys with an fp8 cache asked 241920 B of shared
-    memory on the H200, over its 232448 B).
-    Splits are added until about two waves of programs are in flight, keeping >= 4 key blocks per split.
-    H200 decode sweep (batch 16, 32K context): H=12 -> 16 rows, 64 keys, 3 stages; H=32 and H=96 -> 32 rows,
-    32 keys, 4 warps.
-    Short decode (one query per sequence, at most ``SHORT_KV_TOKENS`` cached tokens in the batch): 16 heads per
-    program and splits of at least 32 keys, up to about 128 programs and 32 splits. H200 probe, H=32 (session 8):
-    batch 1 over 560 tokens 20.0 -> 12.2 us (kernel + merge), batch 1 over 4K 22.4 -> 18.2, batch 16 over 560
-    24.3 -> 19.7; the keys a second head block reads again come from L2."""
+    rest of a ``target_rows`` tile (at least 16 rows: the Triton dot minimum). Small tiles stream
+    ``small_block_k`` keys per step, larger ones ``large_block_k``. Splits are added until about
+    ``target_programs`` programs are in flight, keeping >= 4 key blocks per split. Short decode (one query per
+    sequence, at most ``SHORT_KV_TOKENS`` cached tokens in the batch): ``short_block_h`` heads per program and
+    splits of at least ``short_split_keys`` keys, toward ``short_kv_programs`` programs; the keys a second head
+    block reads again come from L2. Fields set in ``config`` replace the heuristic's picks."""
+    cfg = tuning.resolve(MLADecodeConfig, config)
     if num_tokens == num_seqs and num_seqs * max_context <= SHORT_KV_TOKENS:
-        block_h = 16
+        block_h = cfg.short_block_h
         programs = num_tokens * -(-num_heads // block_h)
-        max_splits = min(_SHORT_KV_MAX_SPLITS, max(1, max_context // 32))
-        num_splits = max(1, min(_next_pow2(-(-_SHORT_KV_PROGRAMS // programs)), _floor_pow2(max_splits)))
-        return dict(block_q=1, block_h=block_h, block_k=64, num_splits=num_splits, num_warps=4, num_stages=3)
-    block_h = min(_next_pow2(num_heads), _TARGET_ROWS)
-    block_q = max(1, min(_next_pow2(-(-num_tokens // max(num_seqs, 1))), _TARGET_ROWS // block_h, 16))
-    block_h = max(block_h, 16 // block_q)
-    small = block_q * block_h <= 16
-    block_k = 64 if small else 32
-    num_tiles = min(num_tokens, -(-num_tokens // block_q) + num_seqs)
-    programs = num_tiles * -(-num_heads // block_h)
-    max_splits = max(1, max_context // (4 * block_k))
-    num_splits = max(1, min(_next_pow2(-(-_TARGET_PROGRAMS // max(programs, 1))), _next_pow2(max_splits)))
-    return dict(
-        block_q=block_q, block_h=block_h, block_k=block_k, num_splits=num_splits, num_warps=4,
-        num_stages=3 if small else 2,
-    )  # fmt: skip
+        max_splits = min(cfg.short_kv_max_splits, max(1, max_context // cfg.short_split_keys))
+        num_splits = max(1, min(_next_pow2(-(-cfg.short_kv_programs // programs)), _floor_pow2(max_splits)))
+        auto = dict(block_q=1, block_h=block_h, block_k=cfg.small_block_k, num_splits=num_splits,
+                    num_warps=cfg.num_warps, num_stages=cfg.small_stages)
+    else:
+        block_h = min(_next_pow2(num_heads), cfg.target_rows)
+        block_q = max(1, min(_next_pow2(-(-num_tokens // max(num_seqs, 1))), cfg.target_rows // block_h, 16))
+        block_h = max(block_h, 16 // block_q)
+        small = block_q * block_h <= cfg.small_rows
+        block_k = cfg.small_block_k if small else cfg.large_block_k
+        num_tiles = min(num_tokens, -(-num_tokens // block_q) + num_seqs)
+        programs = num_tiles * -(-num_heads // block_h)
+        max_splits = max(1, max_context // (4 * block_k))
+        num_splits = max(1, min(_next_pow2(-(-cfg.target_programs // max(programs, 1))), _next_pow2(max_splits)))
+        auto = dict(block_q=block_q, block_h=block_h, block_k=block_k, num_splits=num_splits,
+                    num_warps=cfg.num_warps, num_stages=cfg.small_stages if small else cfg.large_stages)
+    return {name: auto[name] if getattr(cfg, name) is None else getattr(cfg, name) for name in auto}
+
+
+def smem_bytes(cfg: MLADecodeConfig, width: int, compute_dtype, pages_dtype, fp8_scales: bool) -> int:
+    """Shared memory of the absorbed kernel (:mod:`pallas_kernels.tuning`'s estimate): per loop step it loads
+    ``block_k`` cache rows ``[block_k, W]`` (and their fp8 scales), gathered through the block table, so
+    ``num_stages - 1`` deep (at least 1); the scaled queries ``[rows, W]``, the probabilities ``[rows, block_k]``
+    and a cache tile cast to the compute dtype (staged twice: as ``K^T`` and as ``V``) go through it into the
+    dots."""
+    rows = cfg.block_q * cfg.block_h
+    step = tuning.nbytes(pages_dtype, cfg.block_k, width) + fp8_scales * tuning.nbytes("float32", cfg.block_k)
+    staged = tuning.nbytes(compute_dtype, rows, width + cfg.block_k)
+    if pages_dtype != compute_dtype:
+        staged += 2 * tuning.nbytes(compute_dtype, cfg.block_k, width)
+    return max(cfg.num_stages - 1, 1) * step + staged
 
 
 def plan_tiles(cu_q_lens, num_tiles: int, block_q: int):
@@ -172,13 +187,19 @@ def _absorbed_kernel(
         pltriton.store(lse_ref.at[split, token[:, 0], head[:, 0]], lse, mask=row_real)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale", "kv_lora_rank", "block_q", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-        "interpret",
-    ),
-)  # fmt: skip
+def fit_config(config: MLADecodeConfig | None, num_tokens: int, num_seqs: int, num_heads: int, max_context: int,
+               width: int, compute_dtype, pages_dtype, fp8_scales: bool) -> MLADecodeConfig:
+    """The tiling (``config``'s fields, the rest from :func:`choose_tiling`) shrunk to the device's shared memory:
+    fewer stages, then fewer keys per step (down to 16)."""
+    cfg = tuning.resolve(MLADecodeConfig, config)
+    cfg = dataclasses.replace(cfg, **choose_tiling(num_tokens, num_seqs, num_heads, max_context, cfg))
+    return tuning.fit("mla_absorbed_paged_attention", cfg,
+                      lambda c: smem_bytes(c, width, compute_dtype, pages_dtype, fp8_scales),
+                      tuning.smaller(cfg, "num_stages", [("block_k", 16)]),
+                      what=f"{cfg.block_q * cfg.block_h} query rows of {width} in {jnp.dtype(compute_dtype).name}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "config", "interpret"))
 def mla_paged_attention_pallas(
     q: jax.Array,
     pages: jax.Array,
@@ -190,29 +211,19 @@ def mla_paged_attention_pallas(
     kv_lora_rank: int,
     page_scales: jax.Array | None = None,
     layer=None,
-    block_q: int | None = None,
-    block_h: int | None = None,
-    block_k: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    config: MLADecodeConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas version of :func:`~pallas_kernels.mla.reference.mla_paged_attention_reference` (same contract).
 
-    Tiling knobs (static; None takes :func:`choose_tiling`'s choice): ``block_q`` query tokens and ``block_h`` heads
-    per program (``block_q * block_h >= 16``, powers of 2), ``block_k`` keys per loop step, ``num_splits`` KV
-    splits merged by LSE. ``R`` and ``K_rope`` must be powers of 2 >= 16 (Triton)."""
+    ``config``: the tiling (static; fields left None: :func:`choose_tiling`'s picks), shrunk by :func:`fit_config`
+    to the device's shared memory. ``R`` and ``K_rope`` must be powers of 2 >= 16 (Triton)."""
     num_tokens, num_heads, width = q.shape
     num_seqs, max_pages = block_tables.shape
     block_size = pages.shape[-2]
-    auto = choose_tiling(num_tokens, num_seqs, num_heads, max_pages * block_size)
-    block_q = auto["block_q"] if block_q is None else block_q
-    block_h = auto["block_h"] if block_h is None else block_h
-    block_k = auto["block_k"] if block_k is None else block_k
-    num_splits = auto["num_splits"] if num_splits is None else num_splits
-    num_warps = auto["num_warps"] if num_warps is None else num_warps
-    num_stages = auto["num_stages"] if num_stages is None else num_stages
+    cfg = fit_config(config, num_tokens, num_seqs, num_heads, max_pages * block_size, width, q.dtype, pages.dtype,
+                     page_scales is not None)
+    block_q, block_h, block_k, num_splits = cfg.block_q, cfg.block_h, cfg.block_k, cfg.num_splits
     num_tiles = min(num_tokens, -(-num_tokens // block_q) + num_seqs)
     num_head_blocks = -(-num_heads // block_h)
     rows_per_layer = pages.shape[-3] * block_size
@@ -243,7 +254,7 @@ def mla_paged_attention_pallas(
             jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads, kv_lora_rank), out_dtype),
             jax.ShapeDtypeStruct((num_splits, num_tokens, num_heads), jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret_mode() if interpret is None else interpret,
         name="mla_absorbed_paged_attention",
     )(*operands)

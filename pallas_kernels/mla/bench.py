@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us
+from pallas_kernels.mla import MLADecodeConfig, MLADecodeMGPUConfig, MLAPrefillConfig
 from pallas_kernels.mla.attention import mla_paged_attention_pallas
 from pallas_kernels.mla.prefill import mla_prefill_attention_pallas
 from pallas_kernels.mla.reference import (
@@ -58,7 +60,7 @@ def time_call(fn, *args, target_s: float = 0.25, max_reps: int = 50) -> float:
 
 def ceilings() -> dict:
     """Measured device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate."""
-    copy_bw = copy_bandwidth()  # donated buffers: a fresh 4 GiB output per call measured 1.77 TB/s (session 5)
+    copy_bw = copy_bandwidth()  # donated buffers: a fresh 4 GiB output per call measured 1.77 TB/s
     a = jax.random.normal(jax.random.key(1), (MATMUL_N, MATMUL_N), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (MATMUL_N, MATMUL_N), jnp.bfloat16)
     mm_s = time_call(jax.jit(lambda a, b: a @ b), a, b)
@@ -131,6 +133,14 @@ def check_correctness(results: dict) -> None:
     results[f"unabsorbed_H{num_heads}"] = {"o_rel_err": rel_err(got[0], want[0]), "lse_rel_err": rel_err(got[1], want[1])}
 
 
+def check_failures(correctness: dict) -> list[str]:
+    """The failed checks of :func:`check_correctness`: a crash, or a relative error over 2e-2 (bf16 queries and
+    pages, the fp8 cache against its own dequantised reference; fp8 against bf16 is only reported)."""
+    if "error" in correctness or not correctness:
+        return [f"checks crashed: {correctness.get('error', 'no results')}"]
+    return bench_checks.over(correctness, lambda path: None if "vs_bf16_ref" in path else 2e-2)
+
+
 def decode_roofline(batch, context, num_heads, ceil, *, bytes_per_row=2 * W + 0.0) -> tuple[float, float, float]:
     """(bytes, flops, roofline seconds) of one absorbed decode call (1 query token per request)."""
     nbytes = batch * context * bytes_per_row + batch * num_heads * (W + R) * 2
@@ -141,7 +151,8 @@ def decode_roofline(batch, context, num_heads, ceil, *, bytes_per_row=2 * W + 0.
 def decode_fn(variant, fp8=False):
     def run(q, pages, tables, ctx, cu, scales=None):
         return mla_paged_attention_pallas(
-            q, pages, tables, ctx, cu, scale=SCALE, kv_lora_rank=R, page_scales=scales, **variant
+            q, pages, tables, ctx, cu, scale=SCALE, kv_lora_rank=R, page_scales=scales,
+            config=MLADecodeConfig(**variant),
         )
 
     return jax.jit(run)
@@ -217,8 +228,8 @@ def run_prefill(report: dict, ceil: dict, over) -> None:
                               fastest("absorbed", ("block_q", "block_h", "num_warps"), absorbed_tiles)):
 
             def measure(row, bq=bq, bh=bh, warps=warps):
-                fn = jax.jit(lambda *a: mla_paged_attention_pallas(
-                    *a, scale=SCALE, kv_lora_rank=R, block_q=bq, block_h=bh, num_warps=warps, num_splits=1))
+                config = MLADecodeConfig(block_q=bq, block_h=bh, num_warps=warps, num_splits=1)
+                fn = jax.jit(lambda *a: mla_paged_attention_pallas(*a, scale=SCALE, kv_lora_rank=R, config=config))
                 sec = time_call(fn, q, pages, tables, ctx, cu, target_s=0.5, max_reps=5)
                 row.update(ms=sec * 1e3, TFLOPs=flops_abs / sec / 1e12, pct_mm=100 * flops_abs / sec / mm_rate)
 
@@ -242,7 +253,8 @@ def run_prefill(report: dict, ceil: dict, over) -> None:
                        fastest("unabsorbed", ("block_q", "block_k"), unabsorbed_tiles)):
 
             def measure(row, bq=bq, bk=bk):
-                fn = jax.jit(lambda *a: mla_prefill_attention_pallas(*a, scale=SCALE, block_q=bq, block_k=bk))
+                fn = jax.jit(lambda *a: mla_prefill_attention_pallas(
+                    *a, scale=SCALE, config=MLAPrefillConfig(block_q=bq, block_k=bk)))
                 sec = time_call(fn, q_mha, k_nope, k_pe, v, cu, cu_kv, target_s=0.5, max_reps=10)
                 row.update(ms=sec * 1e3, TFLOPs=flops_mha / sec / 1e12, pct_mm=100 * flops_mha / sec / mm_rate,
                            total_ms=(sec + up_sec) * 1e3)
@@ -319,7 +331,8 @@ def run_mgpu(report: dict, ceil: dict, over) -> None:
             triton = decode_fn({})
             one_wave = default_splits(batch, -(-num_heads // 64), tables.shape[1] * BLOCK_SIZE // 64)
             variants = {f"mgpu_chunk{c}_splits{n}": jax.jit(
-                lambda q, p, t, ctx, c=c, n=n: mla_decode_mgpu(q, p, t, ctx, scale=SCALE, chunk=c, splits=n))
+                lambda q, p, t, ctx, c=c, n=n: mla_decode_mgpu(q, p, t, ctx, scale=SCALE,
+                                                               config=MLADecodeMGPUConfig(chunk=c, splits=n)))
                 for c, n in ((64, one_wave), (128, one_wave), (64, 2 * one_wave))}
 
             def measure(row, q=q, pages=pages, tables=tables, ctx=ctx, cu=cu, roof=roof, triton=triton,
@@ -381,7 +394,8 @@ def run_short_decode(report: dict) -> None:
             knobs = {} if tiling is None else dict(block_h=tiling[0], num_splits=tiling[1])
 
             def measure(row, knobs=knobs):
-                fn = jax.jit(lambda *a: mla_paged_attention_pallas(*a, scale=SCALE, kv_lora_rank=R, **knobs))
+                fn = jax.jit(lambda *a: mla_paged_attention_pallas(*a, scale=SCALE, kv_lora_rank=R,
+                                                                   config=MLADecodeConfig(**knobs)))
                 row["us"] = sum(kernel_split_us(fn, (q, pages, tables, ctx, cu), repeats=10).values())
 
             report["short_decode"].append(guarded({"B": batch, "ctx": context, **(knobs or {"tiling": "auto"})},
@@ -467,6 +481,8 @@ def main() -> None:
     save()
     print_tables(report)
     print("best variants:", best, "skipped:", report["skipped"], f"{report['elapsed_s']:.0f}s")
+    if "correctness" in sections:
+        bench_checks.finish("mla bench", check_failures(report["correctness"]))
 
 
 if __name__ == "__main__":

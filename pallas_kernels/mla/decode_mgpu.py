@@ -1,8 +1,9 @@
 """Absorbed MLA decode over the paged latent cache as a Mosaic-GPU (Hopper warpgroup) kernel.
 
 Why: the Triton kernel's 32-row ``mma.sync`` tile holds its 32 x 512 fp32 accumulator and the queries in
-registers (255 per thread, 2 CTAs per SM), so at H >= 32 too few loads are in flight and long-context decode
-reads the cache at 47-56% of copy bandwidth (``NOTES.md``). Here, as in FlashMLA, one CTA takes 64 query rows
+registers (255 per thread by ``ptxas -v``, 2 CTAs per SM), so at H >= 32 too few loads are in flight and
+long-context decode reads the cache at 47-56% of copy bandwidth (batch 16, 32K context: H=32 341 us, H=96 814
+us; its 64-row, 8-warp tile takes ``wgmma`` but spills). Here, as in FlashMLA, one CTA takes 64 query rows
 (the heads of one decode token, or the (token, head) rows of a few verified tokens, zero-padded to a multiple of
 64) and three warpgroups:
 
@@ -15,19 +16,25 @@ reads the cache at 47-56% of copy bandwidth (``NOTES.md``). Here, as in FlashMLA
   and nobody spills. ``P`` is the wgmma's register A operand (its K, the 64 keys of a step, must be a multiple
   of 64; under the interpreter, which takes A from shared memory only, P goes through shared memory).
 
-Shared memory: Q 72 KB + two stages of 72 KB = 216 KB of the 227 KB; the partial outputs are stored from
-registers straight to global memory. The context is split over ``splits`` CTAs per (token, head block); each
+Shared memory (:func:`smem_bytes`, checked against the device's): Q 72 KB + two stages of 72 KB = 216 KB of the
+H200's 227 KB; the partial outputs are stored from registers straight to global memory. The context is split over ``splits`` CTAs per (token, head block); each
 writes fp32 partials (o, natural-log lse) that :func:`pallas_kernels.mla.reference.merge_partials` merges. Grid:
 (sequences, head blocks, splits). ``jax.export`` for CUDA runs Mosaic-GPU's layout inference on the CPU, so the
 GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-byte swizzle).
+
+Limits: at H=96 the kernel is compute-bound (2176 FLOPs per (head, key) for 1152 bytes per key: 181 FLOP/byte
+with 96 real heads, 242 as executed in two 64-row blocks, against the H200's ridge of about 180), at 42-44% of
+copy bandwidth. Fewer executed rows (packing two tokens' remainders) or forming S once per CTA (warpgroup 0 alone,
+P and the row rescales through shared memory to warpgroup 1) would move it; the latter, as written, needed
+232,504 B of shared memory against the 232,448 allowed.
 
 Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
 ``block_size`` a multiple of 64 (one step is 64 keys of one page), R + K_rope = 576 with R = 512. Each
 sequence's context (not its table's capacity: the engine's page buckets run ahead of it) is split evenly over the
-KV splits at run time, and each CTA's pipeline runs only its share's steps (a dynamic pipeline grid; session 14:
-the static grid's surplus steps, which reloaded a tile from L2 and skipped the math, made a table 4x its context
-2.2x slower).
+KV splits at run time, and each CTA's pipeline runs only its share's steps (a dynamic pipeline grid: the static
+grid's surplus steps, which reloaded a tile from L2 and skipped the math, made a table 4x its context 2.2x
+slower).
 In the last tile the rows past the context are masked out of the softmax, so their values meet a zero
 probability: they must be finite (the engine's pools are zero-initialised and freed pages keep finite latents;
 its NaN-poisoning test mode takes the Triton kernel). :func:`pallas_kernels.mla.mla_paged_attention` routes
@@ -45,16 +52,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import on_gpu
-from pallas_kernels.mgpu_smem import wgmma_operand_transforms
+from pallas_kernels.mgpu_smem import BARRIER_BYTES, wgmma_operand_transforms
+from pallas_kernels.mla.config import MLADecodeMGPUConfig
 from pallas_kernels.mla.reference import NO_KEY_LSE, merge_partials
 
 ROWS = 64  # query rows per CTA: one warpgroup's wgmma M
 BLOCK_KV = 64  # keys per pipeline step
 WIDTH = 576  # latent (512) + rope key (64) columns per cache row
 RANK = 512
-NUM_SMS = 132  # H200; one CTA fits per SM (216 KB of shared memory)
-MIN_ROWS = 32  # (token, head) rows per sequence from which the engine routes decode here (below: Triton is faster)
 
 
 def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
@@ -148,11 +155,19 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)(pages_gmem)
 
 
-def default_splits(num_seqs: int, head_blocks: int, tiles: int) -> int:
-    """KV splits per (sequence, head block): as many as one wave of CTAs holds (one CTA per SM), at most one per
-    tile. Rounding up instead would start a second, nearly empty wave (batch 16: 17 splits = 272 CTAs = three
-    waves, the last of 8), and every split also writes a 128 KB fp32 partial that the merge reads back."""
-    return max(1, min(tiles, NUM_SMS // (num_seqs * head_blocks)))
+def default_splits(num_seqs: int, head_blocks: int, tiles: int, num_sms: int | None = None) -> int:
+    """KV splits per (sequence, head block): as many as one wave of CTAs holds (one CTA per SM; ``num_sms``
+    default: the tuned config's), at most one per tile. Rounding up instead would start a second, nearly empty
+    wave (batch 16: 17 splits = 272 CTAs = three waves, the last of 8), and every split also writes a 128 KB fp32
+    partial that the merge reads back."""
+    num_sms = num_sms or tuning.tuned(MLADecodeMGPUConfig).num_sms
+    return max(1, min(tiles, num_sms // (num_seqs * head_blocks)))
+
+
+def smem_bytes(stages: int) -> int:
+    """Shared memory the kernel allocates: Q ``[64, 576]`` bf16, ``stages`` cache tiles ``[64, 576]`` bf16, and
+    the barriers (Q's, and each stage's two)."""
+    return 2 * ROWS * WIDTH + stages * 2 * BLOCK_KV * WIDTH + (1 + 2 * stages) * BARRIER_BYTES
 
 
 def _fresh_index_buffer(x: jax.Array) -> jax.Array:
@@ -163,19 +178,19 @@ def _fresh_index_buffer(x: jax.Array) -> jax.Array:
     return jnp.maximum(x.astype(jnp.int32), 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "splits", "stages", "chunk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "config", "interpret"))
 def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, context_lens: jax.Array, *,
-                    scale: float, q_len: int = 1, layer: int | None = None, splits: int | None = None,
-                    stages: int = 2, chunk: int = 128, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                    scale: float, q_len: int = 1, layer: int | None = None, config: MLADecodeMGPUConfig | None = None,
+                    interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Decode / verification attention: q ``[N * q_len, H, 576]`` (``q_len`` consecutive query tokens per
     sequence, the last ones of its context, causal among themselves) over ``pages [B, bs, 576]`` bf16 (``[L, B,
     bs, 576]`` with ``layer``), ``block_tables [N, P]``, ``context_lens [N]`` (new tokens included) -> (o_lat
     ``[N * q_len, H, 512]`` in q.dtype, lse ``[N * q_len, H]`` f32), as
     :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` with ``cu_q_lens = q_len * arange(N +
-    1)``. A CTA's 64 rows are ``q_len * H`` (token, head) rows of one sequence. ``splits``: KV splits (default
-    :func:`default_splits`); ``stages``: shared-memory stages of the cache stream; ``chunk``: accumulator
-    columns per ``P V`` product (64 or 128; 128 was 1-15% faster at all 8 shapes timed on the H200, session 13).
-    ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+    1)``. A CTA's 64 rows are ``q_len * H`` (token, head) rows of one sequence. ``config``: KV splits, cache
+    stages and accumulator chunk (:class:`~pallas_kernels.mla.config.MLADecodeMGPUConfig`; None fields tuned);
+    ValueError when the stages do not fit the device's shared memory. ``interpret``: the Mosaic-GPU interpreter
+    (default: when no GPU is present)."""
     if layer is None:
         pages, layer = pages[None], 0
     num_tokens, num_heads, width = q.shape
@@ -186,12 +201,15 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
     if width != WIDTH or pages.shape[-1] != WIDTH or pages.dtype != jnp.bfloat16:
         raise ValueError(f"q [N, H, {WIDTH}] and bf16 pages [.., bs, {WIDTH}] expected; got q {q.shape}, pages "
                          f"{pages.dtype}{list(pages.shape)}")
+    cfg = tuning.resolve(MLADecodeMGPUConfig, config)
+    splits, stages, chunk = cfg.splits, cfg.stages, cfg.chunk
     if block_size % BLOCK_KV or (RANK // 2) % chunk or chunk % 64:
         raise ValueError(f"block_size {block_size} must be a multiple of {BLOCK_KV} and chunk {chunk} 64 or 128")
     tiles_per_page = block_size // BLOCK_KV
     tiles = block_tables.shape[1] * tiles_per_page
     head_blocks = -(-(q_len * num_heads) // ROWS)
-    splits = splits or default_splits(num_seqs, head_blocks, tiles)
+    splits = splits or default_splits(num_seqs, head_blocks, tiles, cfg.num_sms)
+    tuning.check_smem("mla_decode_mgpu", smem_bytes(stages), f"stages={stages}")
     tiles_per_split = -(-tiles // splits)
     rows = head_blocks * ROWS
     q_rows = q.astype(jnp.bfloat16).reshape(num_seqs, q_len * num_heads, WIDTH)

@@ -17,8 +17,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode
 from pallas_kernels.mla.attention import plan_tiles
+from pallas_kernels.mla.config import MLAPrefillConfig
 from pallas_kernels.mla.reference import NO_KEY_LSE, query_positions
 
 
@@ -94,9 +96,26 @@ def _prefill_kernel(
         pltriton.store(lse_ref.at[token[:, 0], head], lse, mask=row_real)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "interpret")
-)
+def smem_bytes(cfg: MLAPrefillConfig, k_nope_dim: int, k_rope_dim: int, v_dim: int, dtype) -> int:
+    """Shared memory of the prefill kernel (:mod:`pallas_kernels.tuning`'s estimate): per loop step ``block_k`` rows
+    of ``k_nope``, ``k_pe`` and ``v``, ``num_stages`` deep; the scaled queries ``[block_q, Kn + Kr]`` and the
+    probabilities ``[block_q, block_k]`` staged into the dots."""
+    step = tuning.nbytes(dtype, cfg.block_k, k_nope_dim + k_rope_dim + v_dim)
+    return cfg.num_stages * step + tuning.nbytes(dtype, cfg.block_q, k_nope_dim + k_rope_dim + cfg.block_k)
+
+
+def fit_config(config: MLAPrefillConfig | None, k_nope_dim: int, k_rope_dim: int, v_dim: int,
+               dtype) -> MLAPrefillConfig:
+    """The resolved config shrunk to the device's shared memory: fewer stages, then smaller ``block_k``, then
+    ``block_q`` (down to 16)."""
+    cfg = tuning.resolve(MLAPrefillConfig, config)
+    return tuning.fit("mla_unabsorbed_prefill_attention", cfg,
+                      lambda c: smem_bytes(c, k_nope_dim, k_rope_dim, v_dim, dtype),
+                      tuning.smaller(cfg, "num_stages", [("block_k", 16), ("block_q", 16)]),
+                      what=f"K_nope={k_nope_dim}, K_rope={k_rope_dim}, V={v_dim} in {jnp.dtype(dtype).name}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def mla_prefill_attention_pallas(
     q: jax.Array,
     k_nope: jax.Array,
@@ -106,18 +125,18 @@ def mla_prefill_attention_pallas(
     cu_kv_lens: jax.Array,
     *,
     scale: float,
-    block_q: int = 64,
-    block_k: int = 64,
-    num_warps: int | None = None,
-    num_stages: int = 2,
+    config: MLAPrefillConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas version of :func:`~pallas_kernels.mla.reference.mla_prefill_attention_reference` (same contract).
 
-    ``K_nope``, ``K_rope`` and ``V`` must be powers of 2 >= 16 (Triton); block_q/block_k are powers of 2."""
+    ``K_nope``, ``K_rope`` and ``V`` must be powers of 2 >= 16 (Triton); ``config``: the tiling (powers of 2;
+    None fields: tuned, see :class:`~pallas_kernels.mla.config.MLAPrefillConfig`), shrunk by :func:`fit_config`."""
     num_tokens, num_heads, _ = q.shape
     num_seqs = cu_q_lens.shape[0] - 1
     v_dim = v.shape[-1]
+    cfg = fit_config(config, k_nope.shape[-1], k_pe.shape[-1], v_dim, q.dtype)
+    block_q, block_k = cfg.block_q, cfg.block_k
     num_tiles = min(num_tokens, -(-num_tokens // block_q) + num_seqs)
     cu_q_lens, cu_kv_lens = cu_q_lens.astype(jnp.int32), cu_kv_lens.astype(jnp.int32)
     tile_seq, tile_q0 = plan_tiles(cu_q_lens, num_tiles, block_q)
@@ -135,9 +154,8 @@ def mla_prefill_attention_pallas(
             jax.ShapeDtypeStruct((num_tokens, num_heads, v_dim), q.dtype),
             jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or (8 if block_q >= 128 else 4), num_stages=num_stages
-        ),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps or (
+            cfg.wide_warps if block_q >= cfg.wide_rows else cfg.narrow_warps), num_stages=cfg.num_stages),
         interpret=interpret_mode() if interpret is None else interpret,
         name="mla_unabsorbed_prefill_attention",
     )(*operands)

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import copy_bandwidth, kernel_split_us, timed
+from pallas_kernels.mxfp4.config import GroupedGemmConfig, MXFP4MGPUConfig
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights
 from pallas_kernels.mxfp4.kernel import (
     grouped_gemm_concat_pallas,
@@ -75,7 +77,8 @@ ALL_CFGS = {
     "m16n128k128w4s4_k4": dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, split_k=4),
 }
 # Tilings swept per format and regime (plus tile_config's default): the configs that won, or came within 5%,
-# somewhere in the full 9-config sweep of the 2026-11-30 run (kept short so the whole grid fits one call).
+# somewhere in a full 9-config sweep (BENCHMARKS.md, MXFP4 grouped GEMM; kept short so the whole grid fits one
+# call).
 SWEEPS = {
     ("decode", "mxfp4"): ("m16n64k256w4s4", "m16n32k512w4s3", "m16n64k128w4s4L", "m16n64k128w4s4L_k2",
                           "m16n64k128w4s4L_k3", "m16n64k128w4s4L_k4"),
@@ -114,6 +117,12 @@ def random_bf16(rng, shape):
     return jax.random.normal(jax.random.key(int(rng.integers(1 << 30))), shape, jnp.bfloat16)
 
 
+def check_tolerance(path: str) -> float | None:
+    """Per-row relative error bound of a check (the tests' 1e-2: exact decodes, bf16 output rounding); None for
+    JAX's own Mosaic-GPU ragged dot, which is compared, not checked."""
+    return None if path.startswith("bf16/mgpu_") else 1e-2
+
+
 def check_correctness(rng):
     """Every config vs the float32 reference on a small ragged problem (zero groups, all codes, wide scales)."""
     results = {}
@@ -139,21 +148,22 @@ def check_correctness(rng):
     checked = CHECKED_CFGS if SUITE != "mgpu" else {  # the Triton tilings the mgpu suite times
         name: ALL_CFGS[name] for name in ("m16n64k128w4s4L", "m16n64k256w4s4", "m128n256k64w8s3")}
     for name, cfg in checked.items():
-        results[f"mxfp4/{name}"] = rel(grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **cfg),
-                                       want)
+        config = GroupedGemmConfig(**cfg)
+        results[f"mxfp4/{name}"] = rel(grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4",
+                                                           config=config), want)
         results[f"mxfp4_pairs/{name}"] = rel(grouped_gemm_pallas(x, (pairs, scales), gs, weight_format="mxfp4_pairs",
-                                                                 **cfg), want)
+                                                                 config=config), want)
         if words_tiling(cfg):
             results[f"mxfp4_words/{name}"] = rel(grouped_gemm_pallas(x, (words, scales), gs,
-                                                                     weight_format="mxfp4_words", **cfg), want)
+                                                                     weight_format="mxfp4_words", config=config), want)
             results[f"mxfp4_words_narrow/{name}"] = rel(grouped_gemm_pallas(  # the folded decode, codes <= 128
-                x, (words, narrow), gs, weight_format="mxfp4_words", narrow_scales=True, **cfg), want_narrow)
+                x, (words, narrow), gs, weight_format="mxfp4_words", narrow_scales=True, config=config), want_narrow)
         if SUITE == "mgpu":
             continue
         results[f"mxfp4_pairs_jnp/{name}"] = rel(grouped_gemm_pallas(
-            x, (pairs, scales), gs, weight_format="mxfp4_pairs_jnp", **cfg), want)
+            x, (pairs, scales), gs, weight_format="mxfp4_pairs_jnp", config=config), want)
         results[f"bf16/{name}"] = rel(grouped_gemm_pallas(x[77:], (w16,), gs.at[:2].set(0), weight_format="bf16",
-                                                          **cfg), want16)
+                                                          config=config), want16)
     for name, fn in (mgpu_variants() if SUITE != "mgpu" else {}).items():
         try:
             results[f"bf16/{name}"] = rel(fn(x[77:], w16, gs.at[:2].set(0)), want16)
@@ -162,7 +172,8 @@ def check_correctness(rng):
     prepared = prepare_weights(packed, scales)
     for name, cfg in {**MGPU_CFGS, **MGPU_PREFILL_CFGS}.items():
         try:
-            results[f"mxfp4_mgpu/{name}"] = rel(mxfp4_grouped_matmul_mgpu(x, [prepared], gs, **cfg), want)
+            results[f"mxfp4_mgpu/{name}"] = rel(mxfp4_grouped_matmul_mgpu(x, [prepared], gs,
+                                                                          config=MXFP4MGPUConfig(**cfg)), want)
         except Exception as err:  # noqa: BLE001 - report and go on
             results[f"mxfp4_mgpu/{name}"] = f"error: {type(err).__name__}: {str(err)[:200]}"
     return results
@@ -224,7 +235,7 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
         for name, cfg in (MGPU_CFGS if regime == "decode" else MGPU_PREFILL_CFGS).items():
             try:
                 case["mxfp4_mgpu"][name] = timed(lambda x, p, s, g, cfg=cfg: mxfp4_grouped_matmul_mgpu(
-                    x, [(p, s)], g, **cfg), (xs, *prepared, gs))
+                    x, [(p, s)], g, config=MXFP4MGPUConfig(**cfg)), (xs, *prepared, gs))
             except Exception as err:  # noqa: BLE001
                 case["mxfp4_mgpu"][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
         del prepared
@@ -241,7 +252,8 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
                 continue
             try:
                 case[fmt][name] = timed(lambda x, p, s, g, cfg=cfg, fmt=fmt, extra=extra: grouped_gemm_pallas(
-                    x, (p, s), g, weight_format=fmt, **cfg, **extra), (xs, weights, scales, gs))
+                    x, (p, s), g, weight_format=fmt, config=GroupedGemmConfig(**cfg), **extra),
+                    (xs, weights, scales, gs))
             except Exception as err:  # noqa: BLE001
                 case[fmt][name] = f"error: {type(err).__name__}: {str(err)[:200]}"
     del packed, scales, weights, pairs, words
@@ -250,9 +262,9 @@ def bench_case(rng, tokens, experts, n, k, regime, record, total=TOTAL_EXPERTS, 
         return case
     w16 = random_bf16(rng, (experts, k, n))
     bf16_variants = {f"pallas_{name}": (lambda x, w, g, cfg=cfg: grouped_gemm_pallas(
-        x, (w,), g, weight_format="bf16", **cfg)) for name, cfg in with_default(
+        x, (w,), g, weight_format="bf16", config=GroupedGemmConfig(**cfg))) for name, cfg in with_default(
         SWEEPS[(regime, "bf16")], tile_config(m, experts, n, k, "bf16")).items()}
-    if m < 8 or m % 8 == 0:  # ragged_dot_mgpu rejects other row counts (2026-11-30 run)
+    if m < 8 or m % 8 == 0:  # ragged_dot_mgpu rejects other row counts
         bf16_variants.update(mgpu_variants())
     for name, fn in bf16_variants.items():
         if past_deadline(name):
@@ -280,7 +292,7 @@ def dense_case(rng):
     out = {}
     for name, cfg in DECODE_CFGS.items():
         out[f"pallas_{name}"] = timed(lambda x, p, s, g, cfg=cfg: grouped_gemm_pallas(
-            x, (p, s), g, weight_format="mxfp4", **cfg), (xs, packed, scales, gs))
+            x, (p, s), g, weight_format="mxfp4", config=GroupedGemmConfig(**cfg)), (xs, packed, scales, gs))
     out["xla_dequant_dot"] = timed(lambda x, p, s: jnp.dot(x, dequantize(p[0], s[0], jnp.bfloat16).T,
                                                            preferred_element_type=jnp.float32).astype(x.dtype),
                                    (xs, packed, scales))
@@ -308,8 +320,8 @@ def per_row_case(name, widths, k, record):
     for label, cfg in (("default", default), ("stages3", {**default, "num_stages": 3}),
                        ("stages4", {**default, "num_stages": 4})):
         def launches(x, weights, experts, cfg=tuple(cfg.items())):
-            return [grouped_gemm_concat_pallas(x, weights, e, 0, weight_format="bf16", per_row=True, **dict(cfg))
-                    for e in experts]
+            return [grouped_gemm_concat_pallas(x, weights, e, 0, weight_format="bf16", per_row=True,
+                                               config=GroupedGemmConfig(**dict(cfg))) for e in experts]
         row[f"{label}_us"] = sum(kernel_split_us(jax.jit(launches), (x, weights, experts), 10).values()) / len(experts)
     record.append(row)
     print(row, flush=True)
@@ -322,7 +334,8 @@ def main():
     result["bf16_matmul_flops"] = matmul_rate()
     print(f"copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {result['bf16_matmul_flops'] / 1e12:.0f}"
           " TFLOP/s", flush=True)
-    result["correctness_rel_err"] = check_correctness(rng)
+    result["correctness_rel_err"], failures = bench_checks.run(check_correctness, rng)
+    failures += bench_checks.over(result["correctness_rel_err"], check_tolerance)
     print(json.dumps(result["correctness_rel_err"], indent=0), flush=True)
     out_dir = os.environ.get("OUT", ".")
 
@@ -375,6 +388,9 @@ def main():
               f"{100 * c['flops'] / wt / rate:>6.0f}% {wn:>18} | "
               f"{gt * 1e6:>8.1f} {100 * c['weight_bytes_mxfp4'] / gt / bw:>6.0f}% {gn:>7} | "
               f"{bt * 1e6:>8.1f} {bn_:>18} | {bt / np.nanmin([mt, pt, wt, gt]):>6.2f}x")
+    result["check_failures"] = failures
+    save()
+    bench_checks.finish("mxfp4 bench", failures)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """MXFP4 grouped GEMM as a Mosaic-GPU (Hopper warpgroup) kernel: decode row counts first, prefill too.
 
-Why: the Triton kernel streams K3's experts at about 28% of copy bandwidth at decode sizes (BENCHMARKS.md,
-session 12). It decodes a ``[block_n, block_k]`` tile in registers and then hands it to the MMA, which in
+Why: the Triton kernel streams K3's experts at about 28% of copy bandwidth at decode sizes (BENCHMARKS.md, MXFP4
+grouped GEMM). It decodes a ``[block_n, block_k]`` tile in registers and then hands it to the MMA, which in
 Triton means a round trip through shared memory into the MMA's operand layout: two bytes written and read per
 weight against half a byte fetched from HBM. Here, as in Marlin, the decoded weights are the ``wgmma``'s
 register A operand directly: the pair-halves bytes (:func:`pallas_kernels.mxfp4.quant.to_pair_halves`) are loaded
@@ -38,8 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import on_gpu
-from pallas_kernels.mgpu_smem import wgmma_operand_transforms
+from pallas_kernels.mgpu_smem import BARRIER_BYTES, wgmma_operand_transforms
+from pallas_kernels.mxfp4.config import MXFP4MGPUConfig
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.quant import from_pair_halves, to_pair_halves
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
@@ -115,11 +117,19 @@ def _kernel(sched_gmem, x_gmem, *refs, part_tiles, num_weight_rows, block_k, sta
         first += tiles
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "block_m", "stages", "wgs", "interpret"))
+def smem_bytes(block_k: int, block_m: int, stages: int, wgs: int) -> int:
+    """Shared memory the pipeline allocates: per stage the ``[block_k / 64, wgs * 64, 32]`` weight bytes, their
+    ``[block_k / 32, wgs * 64]`` scales and x's ``[block_k / 32, block_m, 32]`` bf16 columns, and two barriers."""
+    per_stage = (block_k // GROUP) * wgs * ROWS_N * MX_BLOCK + (block_k // MX_BLOCK) * wgs * ROWS_N + (
+        block_k // MX_BLOCK) * block_m * MX_BLOCK * 2
+    return stages * (per_stage + 2 * BARRIER_BYTES)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, jax.Array]],
                               group_sizes: jax.Array | None = None, expert_offset: jax.Array | int = 0, *,
-                              row_experts: jax.Array | None = None, block_k: int | None = None, block_m: int = 16,
-                              stages: int = 4, wgs: int = 1, interpret: bool | None = None) -> jax.Array:
+                              row_experts: jax.Array | None = None, config: MXFP4MGPUConfig | None = None,
+                              interpret: bool | None = None) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert times each of ``matrices``, ``(packed [E', K/64, N_i, 32], scales
     [E', K/32, N_i])`` from :func:`prepare_weights`, side by side -> ``[M, sum N_i]`` in ``x.dtype`` (fp32
     accumulation; rows at or past ``sum(group_sizes)`` are zero), as
@@ -129,11 +139,13 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
     every output row, rows in any order, output row m from ``x[m // (M' / M)]`` (a decode step's (token, choice)
     pairs without a sort): every row is then its own tile (use ``block_m=8``), and an expert named by several rows
     is streamed once per row.
-    ``block_k``: K columns per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
+    ``config`` (:class:`~pallas_kernels.mxfp4.config.MXFP4MGPUConfig`, None fields tuned): ``block_k``: K columns
+    per pipeline step (a multiple of 64 dividing K; default the largest of 256, 128, 64
     that divides K); ``block_m``: rows per tile, the wgmma's N (one of ``BLOCK_MS``: 8 or 16 at decode, where most
     experts get one or two rows; 128 or 256 at prefill, where the decode of a weight tile is shared by that many
     rows); ``stages``: shared-memory stages in flight; ``wgs``: compute warpgroups per CTA, each 64 output columns
     (1 or 2; 2 halves how often a row tile is streamed, for prefill, and needs every ``N_i`` a multiple of 128).
+    Fewer stages are taken where they do not fit the device's shared memory (:func:`smem_bytes`).
     ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
     num_rows, dim_k = x.shape
     if (group_sizes is None) == (row_experts is None) or (row_experts is not None
@@ -148,12 +160,16 @@ def mxfp4_grouped_matmul_mgpu(x: jax.Array, matrices: Sequence[tuple[jax.Array, 
             raise ValueError(f"packed [E', K/64, N, 32] and scales [E', K/32, N] from prepare_weights expected for "
                              f"K={dim_k}, E'>={num_experts}; got {packed.shape} and {scales.shape}")
         widths.append(dim_n)
-    block_k = block_k or next((b for b in (256, 128, GROUP) if dim_k % b == 0), GROUP)
+    cfg = tuning.resolve(MXFP4MGPUConfig, config)
+    block_k = cfg.block_k or next((b for b in (256, 128, GROUP) if dim_k % b == 0), GROUP)
+    block_m, wgs = cfg.block_m, cfg.wgs
     if any(n % (wgs * ROWS_N) for n in widths) or wgs not in (1, 2):
         raise ValueError(f"wgs={wgs} must be 1 or 2, with every N in {widths} a multiple of {wgs * ROWS_N}")
     if block_k % GROUP or dim_k % block_k or block_m not in BLOCK_MS:
         raise ValueError(f"block_k={block_k} must be a multiple of {GROUP} dividing K={dim_k}; block_m={block_m} one "
                          f"of {BLOCK_MS}")
+    stages = tuning.fit("mxfp4_grouped_matmul_mgpu", cfg.stages, lambda n: smem_bytes(block_k, block_m, n, wgs),
+                        range(cfg.stages - 1, 0, -1), what=f"block_k={block_k}, block_m={block_m}, wgs={wgs}")
     offset = jnp.asarray(expert_offset, jnp.int32)
     in_tile = jnp.arange(block_m)[None, :]
     if row_experts is None:

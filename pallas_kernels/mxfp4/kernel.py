@@ -24,12 +24,12 @@ bf16 subnormal); one ``mul.rn.bf16x2`` by ``2**126`` makes it exact and a second
 the asm, a bf16 pair per register) scales it: about 3.5 instructions per weight against about 13 for the jnp
 decode (``weight_format="mxfp4_pairs_jnp"``, and the interpret-mode path). Scaling the weights rather than each
 block's fp32 ``[block_n, block_m]`` product drops a multiply and an add per product element (two per pair of
-weights at 16-row tiles; session 16 SASS count).
+weights at 16-row tiles, by SASS count).
 
 ``weight_format="mxfp4_words"`` reads the word order (:func:`pallas_kernels.mxfp4.quant.to_word_order`): the same
 ``[block_n, 32]`` byte tile per pair of blocks, but each 4-byte word holds 4 columns of both blocks at bits chosen so
 that 1-5 shifts and masks per bf16 pair place sign and magnitude (:func:`_word_ptx`: 17 PTX instructions per 8
-weights with narrow scales, against 29 for session 17's Marlin-style nibble order), and the scales come as uint32
+weights with narrow scales, against 29 for a Marlin-style nibble order), and the scales come as uint32
 words of 4 blocks, each block's bf16 scale pair formed once per column (:func:`_scale_pair`); ``narrow_scales``
 folds the decode's bias into the scale. It needs x as the MMA's A operand.
 """
@@ -43,8 +43,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode
 from pallas_kernels.mxfp4 import quant as mxfp4
+from pallas_kernels.mxfp4.config import GroupedGemmConfig
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.tiles import make_tile_schedule
 
@@ -86,8 +88,8 @@ def _word_ptx(block: int, narrow_scales: bool) -> str:
     Unlike the pair-halves decode this is not a per-byte map: it needs Triton to hand the asm 4 bytes that are one
     aligned word in memory. With x as the MMA's A operand the decoded tile is the B operand, which Triton loads
     4 consecutive K bytes per thread (and permutes K in both operands alike); with the weights as A (wgmma's
-    register operand) the 4 bytes are K pairs 8 apart, and the result is wrong (H200, session 17); as mma.sync's
-    A operand (1-2 warps) it is right but no faster (session 18). So the word order runs with
+    register operand) the 4 bytes are K pairs 8 apart, and the result is wrong (H200); as mma.sync's
+    A operand (1-2 warps) it is right but no faster. So the word order runs with
     ``weights_lhs=False`` only, and the GPU tests check it at the tilings ``tile_config`` picks."""
     if block == 0:
         pairs = ["and.b32 t, $2, 0x81C081C0;", "shl.b32 t, $2, 3; and.b32 t, t, 0x81C081C0;"]
@@ -272,12 +274,38 @@ def _output_width(weights: tuple[jax.Array, ...], weight_format: str) -> int:
     raise ValueError(f"unknown weight_format {weight_format!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k", "narrow_scales"))
+MIN_BLOCK_K = {"mxfp4": MX_BLOCK, "mxfp4_pairs": 2 * MX_BLOCK, "mxfp4_pairs_jnp": 2 * MX_BLOCK,
+               "mxfp4_words": WORD_SCALES * MX_BLOCK}
+"""The smallest ``block_k`` per weight format (whole MX blocks, pairs of them, scale words); bf16: 16."""
+
+
+def smem_bytes(cfg: GroupedGemmConfig, weight_format: str, x_dtype, w_dtype) -> int:
+    """Shared memory of the grouped GEMM (:mod:`pallas_kernels.tuning`'s estimate): per K step the ``[block_m,
+    block_k]`` rows of x and the weight tile (``[block_k, block_n]`` bf16, or ``block_n`` rows of ``block_k / 2``
+    packed bytes and ``block_k / 32`` scale bytes), ``num_stages`` deep; the weights decoded (or cast) in registers
+    to x's dtype, ``[block_n, block_k]``, staged into the dot."""
+    if weight_format.startswith("bf16"):
+        weights = tuning.nbytes(w_dtype, cfg.block_k, cfg.block_n)
+        staged = 0 if jnp.dtype(w_dtype) == jnp.dtype(x_dtype) else tuning.nbytes(x_dtype, cfg.block_n, cfg.block_k)
+    else:
+        weights = cfg.block_n * (cfg.block_k // 2 + cfg.block_k // MX_BLOCK)
+        staged = tuning.nbytes(x_dtype, cfg.block_n, cfg.block_k)
+    return cfg.num_stages * (tuning.nbytes(x_dtype, cfg.block_m, cfg.block_k) + weights) + staged
+
+
+def fit_config(config: GroupedGemmConfig | None, weight_format: str, x_dtype, w_dtype) -> GroupedGemmConfig:
+    """The resolved config shrunk to the device's shared memory: fewer stages, then smaller ``block_k`` (down to
+    the format's :data:`MIN_BLOCK_K`), ``block_n`` and ``block_m`` (down to 16)."""
+    cfg = tuning.resolve(GroupedGemmConfig, config)
+    blocks = [("block_k", MIN_BLOCK_K.get(weight_format, 16)), ("block_n", 16), ("block_m", 16)]
+    return tuning.fit(f"grouped_gemm_{weight_format}", cfg, lambda c: smem_bytes(c, weight_format, x_dtype, w_dtype),
+                      tuning.smaller(cfg, "num_stages", blocks), what=f"{jnp.dtype(x_dtype).name} x")
+
+
+@functools.partial(jax.jit, static_argnames=("weight_format", "config", "narrow_scales"))
 def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
-                        expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
-                        block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                        weights_lhs: bool = False, split_k: int = 1, narrow_scales: bool = False) -> jax.Array:
+                        expert_offset: jax.Array | int = 0, *, weight_format: str,
+                        config: GroupedGemmConfig | None = None, narrow_scales: bool = False) -> jax.Array:
     """``x [M, K]`` bf16 rows sorted by expert; ``weights`` is ``(w [E', K, N],)`` for ``"bf16"``,
     ``(w [E', N, K],)`` for ``"bf16_nk"`` or ``(packed [E', N, K/2], scales [E', N, K/32])`` for ``"mxfp4"``
     (``"mxfp4_pairs"`` / ``"mxfp4_pairs_jnp"``: ``packed`` in the pair-halves byte order, ``block_k`` a multiple
@@ -288,26 +316,23 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
     ``w[layer]`` handed to a custom call is copied by XLA, 1.2 GB per call at Kimi-Linear shapes, and every
     layer shares one compiled kernel; the caller keeps ``expert_offset + E <= E'``) -> ``[M, N]`` in
     ``x.dtype`` (fp32 accumulation;
-    rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). Tile sizes are powers of two
-    dividing ``K`` / ``N``; ``weights_lhs`` computes ``W @ x.T`` per tile (small-M orientation). ``split_k``
-    (dividing ``K / block_k``) cuts every tile's K loop across that many programs, which write fp32 partial sums
-    that are then added: at decode a few experts' tiles alone cannot fill the GPU. ``narrow_scales``
+    rows at or past ``sum(group_sizes)`` are zero; ``sum(group_sizes) <= M``). ``config``: the tiling
+    (:class:`~pallas_kernels.mxfp4.config.GroupedGemmConfig`; tile sizes are powers of two dividing ``K`` / ``N``;
+    ``weights_lhs`` computes ``W @ x.T`` per tile, the small-M orientation; ``split_k``, dividing ``K /
+    block_k``, cuts every tile's K loop across that many programs, which write fp32 partial sums that are then
+    added: at decode a few experts' tiles alone cannot fill the GPU), shrunk to the device's shared memory
+    (:func:`fit_config`). ``narrow_scales``
     (``"mxfp4_words"``): the caller vouches that every scale code is at most 128 (:func:`scales_are_narrow`,
     checked once at load); the decode then folds its 2**126 bias into the scale (one multiply per weight pair
     fewer). Outside that range the results would be wrong, not just inexact."""
     return grouped_gemm_concat_pallas(x, (weights,), group_sizes, expert_offset, weight_format=weight_format,
-                                      block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                      num_stages=num_stages, weights_lhs=weights_lhs, split_k=split_k,
-                                      narrow_scales=narrow_scales)
+                                      config=config, narrow_scales=narrow_scales)
 
 
-@functools.partial(jax.jit, static_argnames=("weight_format", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "weights_lhs", "split_k", "per_row", "sum_splits",
-                                             "narrow_scales"))
+@functools.partial(jax.jit, static_argnames=("weight_format", "config", "per_row", "sum_splits", "narrow_scales"))
 def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
-                               expert_offset: jax.Array | int = 0, *, weight_format: str, block_m: int = 16,
-                               block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                               weights_lhs: bool = False, split_k: int = 1, per_row: bool = False,
+                               expert_offset: jax.Array | int = 0, *, weight_format: str,
+                               config: GroupedGemmConfig | None = None, per_row: bool = False,
                                sum_splits: bool = True, shared: tuple[tuple[jax.Array, ...], ...] = (),
                                shared_offset: jax.Array | int = 0, narrow_scales: bool = False) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
@@ -338,6 +363,9 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     num_experts = matrices[0][0].shape[0] if per_row else group_sizes.shape[0]
     widths = [_output_width(w, weight_format) for w in matrices]
     dim_n = sum(widths)
+    cfg = fit_config(config, weight_format, x.dtype, matrices[0][0].dtype)
+    block_m, block_n, block_k, split_k, weights_lhs = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, \
+        cfg.weights_lhs
     if any(n % block_n for n in widths) or dim_k % block_k:
         raise ValueError(f"K={dim_k} / N={widths} must be multiples of block_k={block_k} / block_n={block_n}")
     if block_k % (2 * MX_BLOCK if weight_format in PAIRS_FORMATS else MX_BLOCK if weight_format == "mxfp4" else 1):
@@ -371,7 +399,7 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         grid=(schedule.shape[-1], dim_n // block_n, split_k),
         in_specs=[whole(schedule), whole(offset), whole(x), *(whole(a) for a in flat)],
         out_specs=whole(out),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret_mode(),
         name=f"grouped_gemm_{weight_format}",
     )(schedule, offset, x, *flat)

@@ -8,7 +8,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import resolve_impl
+from pallas_kernels.mxfp4.config import GroupedGemmConfig, GroupedGemmTiling, MXFP4MGPUConfig
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, restore_weights
 from pallas_kernels.mxfp4.kernel import (
     PAIRS_FORMATS,
@@ -30,71 +32,45 @@ def _fit(tile: int, dim: int) -> int:
     return tile
 
 
-SPLIT_K_BELOW_PROGRAMS = 128  # about one program per SM of the H200
+def _rule_applies(rule: dict, weight_format: str, rows_per_expert: float) -> bool:
+    return (weight_format in rule.get("formats", (weight_format,))
+            and rule.get("min_rows_per_expert", 0) <= rows_per_expert <= rule.get("max_rows_per_expert", math.inf))
 
 
 def tile_config(num_rows: int, num_experts: int, dim_n: int, dim_k: int, weight_format: str,
-                widths: tuple[int, ...] | None = None) -> dict:
-    """Kernel tiles for a problem size (static shapes): the fastest configs of the H200 sweep in bench.py,
-    shrunk to powers of two that divide ``K`` and ``N`` (every one of ``widths`` when several weight matrices
-    share the launch; ``dim_n`` is their sum)."""
+                widths: tuple[int, ...] | None = None, tiling: GroupedGemmTiling | None = None) -> dict:
+    """Kernel tiles for a problem size (static shapes) -> :class:`GroupedGemmConfig` fields: the first rule of
+    the tuned table (:class:`~pallas_kernels.mxfp4.config.GroupedGemmTiling`) matching the format and the mean rows
+    per expert, shrunk to powers of two that divide ``K`` and ``N`` (every one of ``widths`` when several weight
+    matrices share the launch; ``dim_n`` is their sum); then the short-K stage count and, with too few (expert,
+    column tile) programs to fill the GPU, a split of K over the smallest divisor of its steps that reaches
+    ``split_k_below_programs`` programs (or over every step)."""
+    table = tuning.resolve(GroupedGemmTiling, tiling)
     rows_per_expert = num_rows / num_experts
-    pairs = weight_format in PAIRS_FORMATS
-    if rows_per_expert <= 16 and weight_format == "mxfp4_words":
-        # Word decode, x as the MMA's A operand. K3 gate + up, narrow scales, H200 (session 17 sweep): 8 / 64 /
-        # 256 tokens over 56 experts and 256 over 112: 50.5 / 247.7 / 313.2 / 601.6 us against 51.9 / 258.8 /
-        # 330.3 / 642.6 us for the pair-halves pick below (and 66.6 / 325.4 / 414.3 / 801.2 us for pair halves).
-        # From 2 rows per expert, 2 warps (each 32 of the 64 columns, so x's fragments feed twice the MMAs):
-        # 256 tokens over 56 / 112 experts (4.3 / 4.9 rows each) 305.3-307.0 / 572.8-573.4 us against
-        # 317.2-318.8 / 606.6-606.9 with 4 warps; at 4 / 8 tokens (0.05 / 0.2 rows) 4 warps are ahead (34.1 /
-        # 75.1 against 35.8 / 78.2 us), at 64 (1.2 rows) within 1% (231.0-232.4 against 229.4-230.1; session 18).
-        # No size between 1.2 and 4.3 rows per expert was timed.
-        cfg = dict(block_m=16, block_n=64, block_k=512, num_warps=2 if rows_per_expert >= 2 else 4, num_stages=2)
-    elif rows_per_expert <= 16 and pairs:
-        # Pair-halves decode: 256-column K steps, x as the MMA's A operand. K3 gate + up on the H200 (session 16),
-        # 8 / 64 / 256 tokens over 56 experts: 66.3 / 324.8 / 413.4 us against 88.0 / 469.8 / 605.4 us for the
-        # checkpoint order's tiling below.
-        cfg = dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
-    elif rows_per_expert <= 16:  # decode: one row tile per expert, the weight tile as the MMA's register operand
-        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, weights_lhs=True)
-    elif rows_per_expert <= 32 and weight_format == "mxfp4_words":
-        # 1024 tokens over 56 experts (18 rows each), H200 session 17: 429.6 us against 518.1 for 64-row tiles
-        cfg = dict(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    elif rows_per_expert <= 64:  # (the word order reads its scales 128 columns at a time)
-        cfg = dict(block_m=64, block_n=128, block_k=128 if weight_format == "mxfp4_words" else 64, num_warps=4,
-                   num_stages=3)
-    elif weight_format == "mxfp4_words":  # K3 gate + up, 8192 tokens over 56 experts: 1412 us (36% of bf16 matmul)
-        cfg = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=2)
-    elif pairs:  # K3 gate + up, 8192 tokens over 56 experts: 1845 us (28% of bf16 matmul) against 2390 us below
-        cfg = dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    else:
-        cfg = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    rule = next(r for r in table.rules if _rule_applies(r, weight_format, rows_per_expert))
+    cfg = dict(rule["tiles"])
     cfg = {**cfg, "block_n": _fit(cfg["block_n"], math.gcd(*(widths or (dim_n,)))),
            "block_k": _fit(cfg["block_k"], dim_k)}
-    # Too few (expert, column-tile) programs to fill the GPU: split K over the smallest divisor of the K steps
-    # that reaches SPLIT_K_BELOW_PROGRAMS programs (or over every step). H200 device times (BENCHMARKS.md,
-    # session 5): one row of N=4096 (64 programs) 8.5 us whole, 7.9 split in 2; N=2304, K=4096 (36 programs)
-    # 11.7 / 9.1 / 8.4 us in 1 / 2 / 4; 8 experts of N=1024 (128 programs) 11.2 whole, 12.5 split in 2.
     programs = min(num_rows, num_experts) * (dim_n // cfg["block_n"])
     steps = dim_k // cfg["block_k"]
-    if cfg.get("weights_lhs") and steps <= 8:
-        # Short K loops fill a 4-deep pipeline for little work: one MoE down projection at decode (8 rows of
-        # 8 experts, K=1024, N=2304) 14.1 -> 11.5 us with 3 stages on the H200 (session 8 probe; 2 stages 13.4).
-        cfg["num_stages"] = 3
-    if 0 < programs < SPLIT_K_BELOW_PROGRAMS and steps > 1:  # (no rows: nothing to split)
-        want = -(-SPLIT_K_BELOW_PROGRAMS // programs)
+    if cfg.get("weights_lhs") and steps <= table.short_k_steps:
+        cfg["num_stages"] = table.short_k_stages
+    if 0 < programs < table.split_k_below_programs and steps > 1:  # (no rows: nothing to split)
+        want = -(-table.split_k_below_programs // programs)
         cfg["split_k"] = next((d for d in range(want, steps) if steps % d == 0), steps)
     return cfg
 
 
 def mgpu_tile_config(num_rows: int, num_experts: int, widths: tuple[int, ...]) -> dict:
-    """Tiles of the Mosaic-GPU MXFP4 kernel for a problem size: 16-row tiles and one compute warpgroup per CTA
-    at decode (at most 16 rows per expert on average), otherwise 128-row tiles and, where every width allows,
-    two warpgroups (the row tile is then streamed half as often). A first guess: the H200 sweep
-    (``BENCH_SUITE=mgpu``) has not run yet."""
-    if num_rows <= 16 * num_experts:
-        return dict(block_m=16, wgs=1)
-    return dict(block_m=128, wgs=2 if all(n % 128 == 0 for n in widths) else 1)
+    """Tiles of the Mosaic-GPU MXFP4 kernel for a problem size (:class:`~pallas_kernels.mxfp4.config.MXFP4MGPUConfig`
+    fields): ``decode_block_m``-row tiles and one compute warpgroup per CTA up to ``decode_rows_per_expert`` rows
+    per expert on average, otherwise ``prefill_block_m``-row tiles and, where every width allows,
+    ``prefill_wgs`` warpgroups (the row tile is then streamed half as often)."""
+    cfg = tuning.tuned(MXFP4MGPUConfig)
+    if num_rows <= cfg.decode_rows_per_expert * num_experts:
+        return dict(block_m=cfg.decode_block_m, wgs=1)
+    wide = all(n % (cfg.prefill_wgs * 64) == 0 for n in widths)
+    return dict(block_m=cfg.prefill_block_m, wgs=cfg.prefill_wgs if wide else 1)
 
 
 def _flatten_layers(layer: int | None, *weights: jax.Array) -> tuple[tuple[jax.Array, ...], int]:
@@ -154,9 +130,10 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
             flat, offset = _flatten_layers(layer, *(a for m in matrices for a in m))
             flat = tuple(zip(flat[0::2], flat[1::2]))
             if per_row:  # every (token, expert) row its own 8-row tile
-                return mxfp4_grouped_matmul_mgpu(x, flat, None, offset, row_experts=groups, block_m=8)
+                return mxfp4_grouped_matmul_mgpu(x, flat, None, offset, row_experts=groups,
+                                                 config=MXFP4MGPUConfig(block_m=8))
             cfg = mgpu_tile_config(x.shape[0], groups.shape[0], tuple(s.shape[-1] for _, s in matrices))
-            return mxfp4_grouped_matmul_mgpu(x, flat, groups, offset, **cfg)
+            return mxfp4_grouped_matmul_mgpu(x, flat, groups, offset, config=MXFP4MGPUConfig(**cfg))
     if resolve_impl(impl) == "reference":
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
         unpair = FROM_BYTE_ORDER.get(byte_order, lambda a: a)
@@ -170,7 +147,7 @@ def mxfp4_grouped_matmul_concat(x: jax.Array, matrices: Sequence[tuple[jax.Array
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), x.shape[1], BYTE_ORDERS[byte_order],
                       widths)
     return grouped_gemm_concat_pallas(x, matrices, groups, offset, weight_format=BYTE_ORDERS[byte_order],
-                                      per_row=per_row, narrow_scales=narrow_scales, **cfg)
+                                      per_row=per_row, narrow_scales=narrow_scales, config=GroupedGemmConfig(**cfg))
 
 
 def _groups(group_sizes: jax.Array | None, row_experts: jax.Array | None, x: jax.Array) -> tuple[jax.Array, bool]:
@@ -253,4 +230,4 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
     return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), groups, offset,
                                       weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row,
-                                      sum_splits=sum_splits, **cfg, **extra)
+                                      sum_splits=sum_splits, config=GroupedGemmConfig(**cfg), **extra)

@@ -2,12 +2,13 @@
 
 Run: ``PYTHONPATH=. python3 pallas_kernels/rmsnorm/bench.py`` (JSON to ``$OUT/rmsnorm_bench.json``). Device
 time and kernel launches per call come from a ``jax.profiler`` trace; at decode sizes the launches matter more
-than the bytes (every kernel of an engine step also costs host time, BENCHMARKS.md session 6). Roofline: bytes
+than the bytes (every kernel of an engine step also costs host time: BENCHMARKS.md, engine step graph). Roofline: bytes
 read + written (x, delta in; sum, normed out) at the copy bandwidth measured here.
 
 ``--partials`` (``BENCH_PARTIALS=1``): :class:`PartialSum` addends instead, against XLA summing them then running
 its add + norm: o_proj's 4 split-K float32 parts (the decode step's case), and 8 router-weighted expert rows plus
-4 split-K parts (the MoE's outputs, which the step leaves to XLA: slower this way in the step, session 9);
+4 split-K parts (the MoE's outputs, which the step leaves to XLA: slower this way in the step; BENCHMARKS.md,
+RMSNorm);
 Kimi-Linear D=2304, batch 1 and 4.
 """
 
@@ -19,12 +20,23 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import TIMING_HEADER, new_result, save_json, time_against_xla, timing_columns
 from pallas_kernels.rmsnorm import PartialSum, add_rms_norm
 from pallas_kernels.rmsnorm.reference import add_rms_norm_reference
 
 EPS = 1e-5
 REPEATS = 20
+MAX_DIFF = 0.0625
+"""Bound on the max absolute difference from XLA: the bf16 outputs stay below 8 in magnitude, where two bf16 ulps
+are 2 * 2**-5 (the sum rounds once either way; the norm's reduction order differs)."""
+
+
+def finish(bench: str, result: dict) -> None:
+    """Exit non-zero, with a line per case, when a case's output differs from XLA's by more than MAX_DIFF."""
+    bench_checks.finish(bench, [f"{c.get('case', 'plain')} T={c['rows']} D={c['dim']}: max diff "
+                                f"{c['max_abs_diff']:.3e} > {MAX_DIFF}" for c in result["cases"]
+                                if not c["max_abs_diff"] <= MAX_DIFF])
 
 
 def main():
@@ -45,6 +57,7 @@ def main():
             result["cases"].append(case)
             print(f"{rows:>6}{dim:>6} {timing_columns(case)} {diff:9.1e}", flush=True)
             save_json(result, "rmsnorm_bench.json")
+    finish("rmsnorm bench", result)
 
 
 def partials_main():
@@ -76,6 +89,7 @@ def partials_main():
             result["cases"].append(case)
             print(f"{name:>8}{rows:>4} {timing_columns(case)} {diff:9.1e}", flush=True)
             save_json(result, "rmsnorm_partials_bench.json")
+    finish("rmsnorm partials bench", result)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 XLA runs this step as three kernels (the add, the sum-of-squares reduction, the scaling); at decode each is a
 launch of a microsecond or two on a few kilobytes, and every kernel in a step's CUDA graph also costs host time
-when the graph is re-recorded (BENCHMARKS.md, session 6). A program loads its row once (``D`` padded to a power
+when the graph is re-recorded (BENCHMARKS.md, RMSNorm). A program loads its row once (``D`` padded to a power
 of two, masked), writes the rounded sum and the normalised row. The addend may be a :class:`PartialSum`
 (split-K partials, router-weighted expert rows, the shared expert): its parts are added here, in float32, which
 saves XLA's reduction / combine kernel in front of every norm of a decode step.
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode
+from pallas_kernels.rmsnorm.config import AddRMSNormConfig
 from pallas_kernels.rmsnorm.partial_sum import PartialSum
 
 
@@ -46,14 +48,21 @@ def _add_rms_norm_kernel(*refs, width, dim, eps, terms, layer):
     pltriton.store(y_ref.at[row, cols], (sf * inv * w).astype(y_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "layer", "num_warps"))
+def _num_warps(cfg: AddRMSNormConfig, rows: int, width: int) -> int:
+    if cfg.num_warps:
+        return cfg.num_warps
+    if rows <= cfg.few_rows:
+        return cfg.few_rows_warps
+    return cfg.narrow_warps if width <= cfg.wide_width else cfg.wide_warps
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "layer", "config"))
 def add_rms_norm_pallas(x: jax.Array, delta: PartialSum | None, weight: jax.Array, *, eps: float, layer: int = 0,
-                        num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
+                        config: AddRMSNormConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`pallas_kernels.rmsnorm.reference.add_rms_norm_reference` with ``weight[layer]`` of a stack
     ``weight [L, D]`` (``x [T, D]``, ``delta`` summed into the residual in float32 before one rounding).
-    ``num_warps`` defaults to 16 for up to 16 rows (one program per row, so one SM pulls all of a row's
-    addends: H200, D=2304, one row, plain / 4 split-K parts / 8 expert rows + 4 parts: 2.52 / 3.03 / 3.72 us
-    with 4 warps, 2.18 / 1.83 / 2.89 with 16; session 9), else 4 up to ``D = 4096`` and 8 above."""
+    ``config``: the warps per program (:class:`~pallas_kernels.rmsnorm.config.AddRMSNormConfig`; None: tuned, by
+    the row count and width)."""
     rows, dim = x.shape
     width = pl.next_power_of_2(dim)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
@@ -69,7 +78,7 @@ def add_rms_norm_pallas(x: jax.Array, delta: PartialSum | None, weight: jax.Arra
         functools.partial(_add_rms_norm_kernel, width=width, dim=dim, eps=float(eps), terms=terms, layer=layer),
         out_shape=outs, grid=(rows,), in_specs=[whole(a) for a in inputs], out_specs=tuple(whole(o) for o in outs),
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or (16 if rows <= 16 else 4 if width <= 4096 else 8), num_stages=1),
+            num_warps=_num_warps(tuning.resolve(AddRMSNormConfig, config), rows, width), num_stages=1),
         interpret=interpret_mode(), name="add_rms_norm",
     )(*inputs)
     return (x, result[0]) if delta is None else tuple(result)

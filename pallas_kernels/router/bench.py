@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import kernel_split_us, new_result, save_json
+from pallas_kernels.router.config import RouterConfig
 from pallas_kernels.router.kernel import route_pallas
 from pallas_kernels.router.reference import route_reference
 
@@ -34,9 +36,9 @@ def variants(k, scaling, args):
     the program target and warp counts asked for."""
     out = {"xla": lambda x, w, b: route_reference(x, w[1], b[1], k=k, scaling=scaling)}
     for target, lw, tw in itertools.product(args.targets, args.logits_warps, args.topk_warps):
-        out[f"p{target}_w{lw}_{tw}"] = functools.partial(route_pallas, layer=1, k=k, renormalize=True,
-                                                         scaling=scaling, target_programs=target, logits_warps=lw,
-                                                         topk_warps=tw)
+        out[f"p{target}_w{lw}_{tw}"] = functools.partial(
+            route_pallas, layer=1, k=k, renormalize=True, scaling=scaling,
+            config=RouterConfig(target_programs=target, logits_warps=lw, topk_warps=tw))
     return out
 
 
@@ -84,6 +86,9 @@ def main():
                 print(f"{model:>12}{rows:>4} {name:>14} {device_s * 1e6:10.2f}{kernels:3d} {best * 1e6:9.2f}"
                       f" {case['roofline_s'] * 1e6:12.2f} {bad == 0!s:>7}", flush=True)
                 save_json(result, "router_bench.json")
+    bench_checks.finish("router bench", [f"{c['model']} T={c['rows']} {c['variant']}: {c['bad_calls']} of "
+                                         f"{c['calls_checked']} calls chose other experts than the reference"
+                                         for c in result["cases"] if c["bad_calls"]])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MoE routing at decode in two Triton-style Pallas kernels.
 
-XLA runs a decode step's router as about seven kernels per MoE layer (H200 trace, session 7): the fp32
+XLA runs a decode step's router as about seven kernels per MoE layer (H200 trace; BENCHMARKS.md, router): the fp32
 ``HIGHEST`` logits of a few rows as a multiply that materialises ``[T, D, E]`` then a reduction, the bias add,
 ``top_k`` as a sort, the sum and the scaling of the chosen scores, and the per-row tile schedule. Here:
 
@@ -8,17 +8,18 @@ XLA runs a decode step's router as about seven kernels per MoE layer (H200 trace
    block over one part of D (IEEE fp32 dot), into ``[split_d, T, E]``; split over D so that small steps still
    spread the router weight's bytes over about ``target_programs`` programs.
 2. ``_topk_kernel``, grid ``(T,)``: the partial sums added (all parts loaded at once: the loop over them it
-   replaced waited one L2 round trip per part, 12.2 -> 9.4 us for both kernels at batch 1, session 11), sigmoid,
+   replaced waited one L2 round trip per part, 12.2 -> 9.4 us for both kernels at batch 1), sigmoid,
    plus bias, ``k`` rounds of (argmax, mask it out), the chosen unbiased scores renormalised and scaled. The
    rounds are serial reductions across the program's warps, so each round is one (value, index) reduction.
 
 One launch instead of two (the logits programs count themselves done on an atomic counter and the last one runs
-the top-k) measured no faster at one row and 3x slower at 16 (H200, session 11): the last program's serial loads
-of every part cost what the second launch did.
+the top-k) measured no faster at one row and 3x slower at 16 on the H200: the last program's serial loads of
+every part cost what the second launch did. Launch knobs: :class:`~pallas_kernels.router.config.RouterConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,10 +27,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import interpret_mode, mma_block
+from pallas_kernels.router.config import RouterConfig
 
 BLOCK_T = 16  # rows per logits program (the MMA's minimum)
-TARGET_PROGRAMS = 128  # about one per SM of the H200
 
 
 def _sum_parts(partial_ref, row, width, experts):
@@ -100,10 +102,20 @@ def _whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _plan(rows: int, dim: int, experts: int, target_programs: int):
+def logits_smem_bytes(cfg: RouterConfig, x_dtype, w_dtype) -> int:
+    """Shared memory of the logits kernel (:mod:`pallas_kernels.tuning`'s estimate): per D step the ``[16,
+    block_d]`` rows of x and the ``[block_d, block_e]`` router tile, ``logits_stages`` deep, and both cast to fp32
+    in registers (when they are not) and staged into the dot."""
+    x, w = tuning.nbytes(x_dtype, BLOCK_T, cfg.block_d), tuning.nbytes(w_dtype, cfg.block_d, cfg.block_e)
+    staged = (jnp.dtype(x_dtype) != jnp.float32) * 4 * BLOCK_T * cfg.block_d + (
+        jnp.dtype(w_dtype) != jnp.float32) * 4 * cfg.block_d * cfg.block_e
+    return cfg.logits_stages * (x + w) + staged
+
+
+def _plan(rows: int, dim: int, experts: int, cfg: RouterConfig):
     """-> (block_e, block_d, row tiles, D parts): the D split is the smallest divisor of D / block_d giving at
-    least ``target_programs`` programs (all of them if none does)."""
-    block_e, block_d = mma_block(experts, 64), mma_block(dim, 64)
+    least ``cfg.target_programs`` programs (all of them if none does)."""
+    block_e, block_d, target_programs = cfg.block_e, cfg.block_d, cfg.target_programs
     tiles = pl.cdiv(rows, BLOCK_T)
     steps_total = dim // block_d
     base = tiles * (experts // block_e)
@@ -116,24 +128,28 @@ def _select_args(k, renormalize, scaling):
     return dict(k=k, k_width=pl.next_power_of_2(k), renormalize=renormalize, scaling=scaling)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "k", "renormalize", "scaling", "target_programs",
-                                             "logits_warps", "topk_warps"))
+@functools.partial(jax.jit, static_argnames=("layer", "k", "renormalize", "scaling", "config"))
 def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int, k: int, renormalize: bool,
-                 scaling: float, target_programs: int = TARGET_PROGRAMS, logits_warps: int = 4,
-                 topk_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+                 scaling: float, config: RouterConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`pallas_kernels.router.route_reference` for ``x [T, D]`` with layer ``layer`` of the stacks
     ``router [L, D, E]``, ``bias [L, E]`` -> ``(weights [T, k] f32, ids [T, k] int32)``; two launches
-    (``logits_warps`` / ``topk_warps`` warps per program)."""
+    (``config``: :class:`~pallas_kernels.router.config.RouterConfig`, None fields tuned; its tiles shrink to the
+    device's shared memory)."""
     rows, dim = x.shape
     experts = router.shape[2]
-    block_e, block_d, tiles, split = _plan(rows, dim, experts, target_programs)
+    cfg = tuning.resolve(RouterConfig, config)
+    cfg = dataclasses.replace(cfg, block_e=mma_block(experts, cfg.block_e), block_d=mma_block(dim, cfg.block_d))
+    cfg = tuning.fit("router_logits", cfg, lambda c: logits_smem_bytes(c, x.dtype, router.dtype),
+                     tuning.smaller(cfg, "logits_stages", [("block_d", 16), ("block_e", 16)]),
+                     what=f"D={dim}, E={experts}")
+    block_e, block_d, tiles, split = _plan(rows, dim, experts, cfg)
     partial_shape = jax.ShapeDtypeStruct((split, rows, experts), jnp.float32)
     partial = pl.pallas_call(
         functools.partial(_logits_kernel, layer=layer, block_d=block_d, block_e=block_e,
                           steps=dim // block_d // split),
         out_shape=partial_shape, grid=(tiles, experts // block_e, split),
         in_specs=[_whole(x.shape), _whole(router.shape)], out_specs=_whole(partial_shape.shape),
-        compiler_params=pltriton.CompilerParams(num_warps=logits_warps, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.logits_warps, num_stages=cfg.logits_stages),
         interpret=interpret_mode(), name="router_logits",
     )(x, router)
     outs = (jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32))
@@ -141,6 +157,6 @@ def route_pallas(x: jax.Array, router: jax.Array, bias: jax.Array, *, layer: int
         functools.partial(_topk_kernel, layer=layer, select=_select_args(k, renormalize, scaling)),
         out_shape=outs, grid=(rows,), in_specs=[_whole(partial.shape), _whole(bias.shape)],
         out_specs=tuple(_whole(o.shape) for o in outs),
-        compiler_params=pltriton.CompilerParams(num_warps=topk_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.topk_warps, num_stages=1),
         interpret=interpret_mode(), name="router_topk",
     )(partial, bias)

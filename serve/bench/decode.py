@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="routed experts held (0: the preset's); e.g. 112 = K3's per-device share under EP8")
     parser.add_argument("--kda-split-v", type=int, default=-1,
                         help="KDA decode: split each state over programs of this many V columns (0: one fused "
-                             "program per head; default: pallas_kernels.kda.DECODE_SPLIT_V)")
+                             "program per head; default: the tuned KDADecodeConfig.split_v)")
     parser.add_argument("--kda-fused-max-rows", type=int, default=-1,
                         help="KDA decode: steps with at most this many (sequence, value head) rows take the fused "
-                             "one-launch kernel (default: pallas_kernels.kda.FUSED_DECODE_MAX_ROWS; 0: never)")
+                             "one-launch kernel (default: the tuned KDADecodeConfig.fused_max_rows; 0: never)")
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     from kimi_jax.layers import common
     from kimi_jax.model import KimiModel
     from kimi_jax.presets import get_preset
-    from pallas_kernels import kda as kda_ops
+    from pallas_kernels import tuning
+    from pallas_kernels.kda import KDADecodeConfig
     from serve.engine.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine import runner as runner_module
@@ -149,10 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         name, _, value = option.partition("=")
         runner_module.GPU_COMPILER_OPTIONS = {**runner_module.GPU_COMPILER_OPTIONS, name: _option_value(value)}
 
-    if args.kda_split_v >= 0:
-        kda_ops.DECODE_SPLIT_V = args.kda_split_v or None
-    if args.kda_fused_max_rows >= 0:
-        kda_ops.FUSED_DECODE_MAX_ROWS = args.kda_fused_max_rows
+    tuning.override(KDADecodeConfig(split_v=args.kda_split_v if args.kda_split_v >= 0 else None,
+                                    fused_max_rows=args.kda_fused_max_rows if args.kda_fused_max_rows >= 0 else None))
     if args.skinny_rows >= 0:
         common.SKINNY_MAX_ROWS = args.skinny_rows
     if args.unabsorbed_min_rows >= 0:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attnres import attnres_mix
+from pallas_kernels.attnres import AttnResConfig, attnres_mix
 from pallas_kernels.attnres.kernel import attnres_mix_pallas
 from tests.kernels.helpers import assert_close
 
@@ -41,7 +41,7 @@ def test_matches_reference(L, N, D, outnorm, dtype, block_n, max_chunk):
     rms_w = jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32)
     out_w = jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32) if outnorm else None
     got = attnres_mix_pallas(query, sources, rms_w, output_rms_weight=out_w, eps=1e-5, scale=0.7,
-                             block_n=block_n, max_chunk=max_chunk)
+                             config=AttnResConfig(block_n=block_n, max_chunk=max_chunk))
     want = attnres_mix(query, sources, rms_w, output_rms_weight=out_w, eps=1e-5, scale=0.7, impl="reference")
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert got[0].dtype == dtype

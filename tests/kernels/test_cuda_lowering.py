@@ -15,11 +15,13 @@ from jax import export
 
 from pallas_kernels.attnres import kernel as attnres_kernel
 from pallas_kernels.greedy import kernel as greedy_kernel
+from pallas_kernels.kda import ChunkKDAConfig
 from pallas_kernels.kda import chunk as kda_chunk
 from pallas_kernels.kda import recurrent as kda_recurrent
 from pallas_kernels.mla import absorb as mla_absorb
 from pallas_kernels.mla import attention as mla_attention
 from pallas_kernels.mla import prefill as mla_prefill
+from pallas_kernels.mxfp4 import GroupedGemmConfig
 from pallas_kernels.mxfp4 import kernel as gemm_kernel
 from pallas_kernels.rmsnorm import PartialSum
 from pallas_kernels.rmsnorm import kernel as rmsnorm_kernel
@@ -54,17 +56,19 @@ def kda_decode_fused(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, sl
                                                     lower_bound=-5.0, layer=2)
 
 
+DECODE_TILES = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, weights_lhs=True, num_stages=4)
+"""The decode tiling of tile_config for the bf16 and checkpoint / pair-halves orders (x as the register operand)."""
+
+
 def grouped_gemm(x, w1, w3, row_experts):
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
-                                                  per_row=True, block_m=16, block_n=64, block_k=128,
-                                                  weights_lhs=True, num_stages=4)
+                                                  per_row=True, config=DECODE_TILES)
 
 
 def grouped_gemm_shared(x, w1, w3, shared_gate, shared_up, row_experts):
     """Kimi-Linear's decode gate / up projections with the shared expert as the ninth row (layer 3)."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((w1,), (w3,)), row_experts, 256, weight_format="bf16",
-                                                  per_row=True, block_m=16, block_n=64, block_k=128,
-                                                  weights_lhs=True, num_stages=4,
+                                                  per_row=True, config=DECODE_TILES,
                                                   shared=((shared_gate,), (shared_up,)), shared_offset=3)
 
 
@@ -77,30 +81,32 @@ def add_rms_norm_partials(x, split_parts, expert_rows, router_weights, norm_weig
 def mxfp4_pairs_gemm(x, packed, scales, row_experts):
     """K3's expert gate projection at decode in the pair-halves byte order (16 (token, expert) rows)."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_pairs",
-                                                  per_row=True, block_m=16, block_n=64, block_k=128,
-                                                  weights_lhs=True, num_stages=4)
+                                                  per_row=True, config=DECODE_TILES)
 
 
 def mxfp4_pairs_prefill_gemm(x, packed, scales, group_sizes):
     """K3's expert gate projection at prefill (8192 rows over 56 experts) in the pair-halves byte order: the
     128 x 256 row tile that scales the decoded weights."""
     return gemm_kernel.grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format="mxfp4_pairs",
-                                           block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+                                           config=GroupedGemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8,
+                                                                    num_stages=3))
 
 
 def mxfp4_words_gemm(x, packed, scales, row_experts):
     """K3's expert gate + up at decode in the word order with narrow scales (16 (token, expert) rows): what
     tile_config picks, with the folded decode."""
     return gemm_kernel.grouped_gemm_concat_pallas(x, ((packed, scales),), row_experts, weight_format="mxfp4_words",
-                                                  per_row=True, block_m=16, block_n=64, block_k=512, num_stages=2,
-                                                  narrow_scales=True)
+                                                  per_row=True, narrow_scales=True,
+                                                  config=GroupedGemmConfig(block_m=16, block_n=64, block_k=512,
+                                                                           num_stages=2))
 
 
 def mxfp4_fp32_gemm(weight_format, x, packed, scales, group_sizes):
     """fp32 activations (an fp32 model, as in tests/test_model_incremental.py) against MXFP4 weights: the decoded
     bf16 tile must take x's dtype, since the Triton dot rejects mixed operand types."""
     return gemm_kernel.grouped_gemm_pallas(x, (packed, scales), group_sizes, weight_format=weight_format,
-                                           block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=2)
+                                           config=GroupedGemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4,
+                                                                    num_stages=2))
 
 
 def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
@@ -108,7 +114,8 @@ def kda_prefill(lower_bound, q, k, v, g, beta, a_log, dt_bias, cu_seqlens):
     dyadic diagonal blocks, the lower bound the midpoint ones; the GPU's PTX approximations of exp, the gate's
     log and its reciprocal (inline asm, which interpret mode cannot run)."""
     return kda_chunk.chunk_kda_pallas(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=True, A_log=a_log,
-                                      dt_bias=dt_bias, lower_bound=lower_bound, fast_math=True)
+                                      dt_bias=dt_bias, lower_bound=lower_bound,
+                                      config=ChunkKDAConfig(fast_math=True))
 
 
 KDA_PREFILL_ARGS = [*[S((1, 1024, 32, 128), jnp.bfloat16)] * 3, S((1, 1024, 32, 128), jnp.float32),
@@ -131,6 +138,8 @@ CASES = {
     "kda_decode": (kda_decode, KDA_DECODE_ARGS),
     "kda_prefill_softplus": (functools.partial(kda_prefill, None), KDA_PREFILL_ARGS),
     "kda_prefill_lower_bound": (functools.partial(kda_prefill, -5.0), KDA_PREFILL_ARGS),
+    "kda_prefill_fp32": (functools.partial(kda_prefill, -5.0), [S(a.shape, jnp.float32) if a.dtype == jnp.bfloat16
+                                                                else a for a in KDA_PREFILL_ARGS]),
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
@@ -162,8 +171,8 @@ CASES = {
                            [S((1, 32, 512), jnp.bfloat16), S((7, 512, 32 * 256), jnp.bfloat16)]),
 }
 
-LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 3, "kda_decode": 2, "router_k3": 2,
-            "router_kimi_linear": 2}
+LAUNCHES = {"kda_prefill_softplus": 3, "kda_prefill_lower_bound": 3, "kda_prefill_fp32": 3, "kda_decode": 2,
+            "router_k3": 2, "router_kimi_linear": 2}
 """Triton launches per case where there is more than one: each prefill's diagonal blocks (dyadic or midpoint),
 intra kernel and scan; split-V decode and its epilogue; the router's logits and its top-k."""
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.greedy import greedy, greedy_reference
+from pallas_kernels.greedy import GreedyConfig, greedy, greedy_reference
 from pallas_kernels.greedy.kernel import greedy_pallas
 
 
@@ -18,7 +18,7 @@ from pallas_kernels.greedy.kernel import greedy_pallas
 def test_greedy_matches_reference(rows, vocab, chunk, dtype, rng):
     logits = jnp.asarray(rng.standard_normal((rows, vocab)) * rng.uniform(0.5, 8.0, (rows, 1)), dtype)
     want_ids, want_lp = greedy_reference(logits)
-    got_ids, got_lp = greedy_pallas(logits, chunk=chunk)
+    got_ids, got_lp = greedy_pallas(logits, config=GreedyConfig(chunk=chunk))
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-5, rtol=0)
     x = np.asarray(logits, np.float64)  # the reference itself against float64
@@ -36,7 +36,7 @@ def test_ties_masked_entries_and_large_values():
     logits[2, :] = -np.inf
     logits[2, [66, 68]] = 1.0                # only the tail chunk is allowed
     logits[3, :] = np.linspace(-1e4, 1e4, 70)  # the maximum grows chunk after chunk
-    got_ids, got_lp = greedy_pallas(jnp.asarray(logits), chunk=16)
+    got_ids, got_lp = greedy_pallas(jnp.asarray(logits), config=GreedyConfig(chunk=16))
     want_ids, want_lp = greedy_reference(jnp.asarray(logits))
     np.testing.assert_array_equal(got_ids, [5, 3, 66, 69])
     np.testing.assert_array_equal(want_ids, got_ids)

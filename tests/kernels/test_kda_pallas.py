@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kda
+from pallas_kernels.kda import ChunkKDAConfig, KDADecodeConfig
 from pallas_kernels.kda import chunk as chunk_module
 from tests.kernels.helpers import assert_close
 
@@ -23,11 +24,16 @@ from .test_kda_reference import naive_recurrent_kda
 
 chunk_kda = jax.jit(kda.chunk_kda, static_argnames=("scale", "use_qk_l2norm", "lower_bound", "impl"))
 fused_recurrent_kda = jax.jit(kda.fused_recurrent_kda,
-                              static_argnames=("lower_bound", "scale", "eps", "split_v", "layer", "impl"))
+                              static_argnames=("lower_bound", "scale", "eps", "layer", "impl", "config"))
 fused_recurrent_kda_verify = jax.jit(kda.fused_recurrent_kda_verify,
                                      static_argnames=("lower_bound", "scale", "eps", "layer", "impl"))
 
 FP32_TOL, BF16_TOL = 1e-4, 2e-2
+def split(split_v):
+    """The decode config that takes the split-V kernel with ``split_v``-wide slices at any batch (None: never)."""
+    return KDADecodeConfig(split_v=split_v or 0, fused_max_rows=0)
+
+
 CU = np.array([0, 0, 1, 70, 70, 101, 130], np.int32)  # empty, one token, 69 (> C=64), empty, 31, 29; 3 padding
 POSITIONS = np.array([[0, -1], [1, 0], [64, 69], [0, -1], [31, 17], [16, 29]], np.int32)
 
@@ -78,7 +84,8 @@ def test_chunk_adaptive_diagonal_softplus_varlen_matches_reference():
                   checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
                   dt_bias=x["dt_bias"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    ours = jax.jit(lambda *a: chunk_module.chunk_kda_pallas(*a, adaptive_diagonal=True, **kwargs))(*args)
+    ours = jax.jit(lambda *a: chunk_module.chunk_kda_pallas(*a, config=ChunkKDAConfig(adaptive_diagonal=True),
+                                                            **kwargs))(*args)
     ref = chunk_kda(*args, impl="reference", **kwargs)
     for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
         assert_close(a, b, FP32_TOL, name)
@@ -212,7 +219,7 @@ def test_decode_matches_reference_in_place(split_v):
     spread over two programs (V=16), conv shift and gated RMSNorm in XLA."""
     x = recurrent_inputs(2, 1, jnp.bfloat16)
     x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
-    ours = fused_recurrent_kda(**x, lower_bound=-5.0, split_v=split_v, impl="pallas")
+    ours = fused_recurrent_kda(**x, lower_bound=-5.0, config=split(split_v), impl="pallas")
     ref = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
     # fp32 math on both sides; the bf16 pool may round a near-tie the other way: one bf16 ulp (2^-8) on state.
     for name, a, b, tol in zip(("y", "conv_state", "state"), ours, ref, (FP32_TOL, FP32_TOL, BF16_TOL)):
@@ -257,11 +264,11 @@ def test_v_tiled_state_walk_matches_reference(num_tokens):
     args = [x[n] for n in ("mixed_qkv", "conv_weight", "conv_state", "g_raw", "beta_logits", "A_log", "dt_bias",
                            "state", "slots")] + [out_slots, x["gate_logits"], x["o_norm_weight"]]
     want = fused_recurrent_kda_verify(*args, impl="reference")
-    got = fused_recurrent_kda_pallas(*args, block_v=4)
+    got = fused_recurrent_kda_pallas(*args, config=KDADecodeConfig(block_v=4))
     for name, a, b in zip(("y", "conv_state", "state"), got, want):
         assert_close(a, b, FP32_TOL, name)
     with pytest.raises(ValueError, match="block_v"):
-        fused_recurrent_kda_pallas(*args, block_v=3)
+        fused_recurrent_kda_pallas(*args, config=KDADecodeConfig(block_v=3))
 
 
 @pytest.mark.parametrize("heads,value_heads", [(2, 2), (1, 3)])
@@ -271,12 +278,12 @@ def test_split_v_decode_fp32_softplus_gate_matches_reference(heads, value_heads)
     heads, so the norm and the conv scatter stay in XLA. A bad ``split_v`` is a clear error."""
     x = recurrent_inputs(6, 1, jnp.float32, heads=heads, value_heads=value_heads)
     x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()}
-    ours = fused_recurrent_kda(**x, split_v=4, impl="pallas")
+    ours = fused_recurrent_kda(**x, config=split(4), impl="pallas")
     ref = fused_recurrent_kda(**x, impl="reference")
     for name, a, b in zip(("y", "conv_state", "state"), ours, ref):
         assert_close(a, b, FP32_TOL, name)
     with pytest.raises(ValueError, match="block_v=5"):
-        fused_recurrent_kda(**x, split_v=5, impl="pallas")
+        fused_recurrent_kda(**x, config=split(5), impl="pallas")
 
 
 @pytest.mark.parametrize("split_v", [None, 8])
@@ -289,25 +296,25 @@ def test_decode_reads_layer_row_of_stacked_weights(split_v):
     rng = np.random.default_rng(8)
     stacked = {n: jnp.stack([jnp.asarray(rng.permutation(np.asarray(x[n]).ravel()).reshape(x[n].shape)), x[n],
                              -x[n]]) for n in per_layer}
-    ours = fused_recurrent_kda(**{**x, **stacked}, layer=1, split_v=split_v, impl="pallas")
+    ours = fused_recurrent_kda(**{**x, **stacked}, layer=1, config=split(split_v), impl="pallas")
     ref = fused_recurrent_kda(**x, impl="reference")
     for name, a, b in zip(("y", "conv_state", "state"), ours, ref):
         assert_close(a, b, FP32_TOL, name)
 
 
-def test_decode_takes_the_fused_kernel_up_to_its_row_limit(monkeypatch):
-    """Up to FUSED_DECODE_MAX_ROWS (sequence, value head) rows the decode step takes the fused kernel (None),
-    past it DECODE_SPLIT_V; a limit of 0 always splits, and DECODE_SPLIT_V = None never does."""
+def test_decode_takes_the_fused_kernel_up_to_its_row_limit():
+    """Up to ``fused_max_rows`` (sequence, value head) rows the decode step takes the fused kernel (None), past
+    it ``split_v``; a limit of 0 always splits, and ``split_v=0`` never does. The tuned H200 limit is 8192 rows."""
     from pallas_kernels import kda as kda_ops
 
-    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", 64)
-    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 2048)
-    assert [kda_ops.decode_split_v(n, 32) for n in (1, 16, 64, 65, 256)] == [None, None, None, 64, 64]
-    assert [kda_ops.decode_split_v(n, 96) for n in (21, 22)] == [None, 64]
-    monkeypatch.setattr(kda_ops, "FUSED_DECODE_MAX_ROWS", 0)
-    assert kda_ops.decode_split_v(1, 32) == 64
-    monkeypatch.setattr(kda_ops, "DECODE_SPLIT_V", None)
-    assert kda_ops.decode_split_v(64, 32) is None
+    config = KDADecodeConfig(split_v=64, fused_max_rows=2048)
+    assert [kda_ops.decode_split_v(n, 32, config) for n in (1, 16, 64, 65, 256)] == [None, None, None, 64, 64]
+    assert [kda_ops.decode_split_v(n, 96, config) for n in (21, 22)] == [None, 64]
+    config = KDADecodeConfig(split_v=64, fused_max_rows=0)
+    assert kda_ops.decode_split_v(1, 32, config) == 64
+    config = KDADecodeConfig(split_v=0, fused_max_rows=0)
+    assert kda_ops.decode_split_v(64, 32, config) is None
+    assert [kda_ops.decode_split_v(n, 32) for n in (256, 257)] == [None, 64]
 
 
 @pytest.mark.parametrize("scale", [0.3, 1.0, 3.0])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla import absorb_outputs, absorb_queries
+from pallas_kernels.mla import AbsorbOutputsConfig, AbsorbQueriesConfig, absorb_outputs, absorb_queries
 from pallas_kernels.mla.absorb import absorb_outputs_pallas, absorb_queries_pallas
 
 H, KN, KR, V, R, LAYERS = 4, 16, 16, 32, 32, 3
@@ -41,8 +41,10 @@ def test_absorbed_query_and_output_match_float64(tokens):
     want_q = np.concatenate([np.einsum("thn,rhn->thr", q[..., :KN].astype(np.float64), w_uk), q[..., KN:]], -1)
     want_o = np.einsum("thr,rhv->thv", o_lat.astype(np.float64), w_uv)
 
-    got_q = absorb_queries_pallas(jnp.asarray(q), jnp.asarray(kv_b), layer=1, k_nope=KN, block_r=16)
-    got_o = absorb_outputs_pallas(jnp.asarray(o_lat), jnp.asarray(kv_b), layer=1, v_dim=V, block_k=16)
+    got_q = absorb_queries_pallas(jnp.asarray(q), jnp.asarray(kv_b), layer=1, k_nope=KN,
+                                  config=AbsorbQueriesConfig(block_r=16))
+    got_o = absorb_outputs_pallas(jnp.asarray(o_lat), jnp.asarray(kv_b), layer=1, v_dim=V,
+                                  config=AbsorbOutputsConfig(block_k=16))
     assert got_q.shape == (tokens, H, R + KR) and got_o.shape == (tokens, H, V)
     np.testing.assert_allclose(np.asarray(got_q), want_q, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got_o), want_o, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.impl import on_hopper
+from pallas_kernels.mla import MLADecodeMGPUConfig
 from pallas_kernels.mla.decode_mgpu import RANK, WIDTH, default_splits, mla_decode_mgpu
 from pallas_kernels.mla.reference import NO_KEY_LSE, mla_paged_attention_reference
 from pallas_kernels.mla.testing import make_paged_batch
@@ -49,7 +50,8 @@ def test_decode_matches_reference(context_lens, num_heads, block_size, splits, q
     batch = decode_batch(rng, context_lens, num_heads, block_size, q_len)
     pages = jnp.asarray(batch.pages, jnp.bfloat16)
     o, lse = mla_decode_mgpu(jnp.asarray(batch.q, jnp.bfloat16), pages, jnp.asarray(batch.block_tables),
-                             jnp.asarray(batch.context_lens), scale=SCALE, q_len=q_len, splits=splits)
+                             jnp.asarray(batch.context_lens), scale=SCALE, q_len=q_len,
+                             config=MLADecodeMGPUConfig(splits=splits))
     want_o, want_lse = reference(batch, pages)
     assert o.shape == (len(context_lens) * q_len, num_heads, RANK) and o.dtype == jnp.bfloat16
     o = np.asarray(o, np.float32)
@@ -91,7 +93,8 @@ def test_tables_sliced_from_a_packed_buffer(rng):
     @jax.jit
     def run(q, pages, words):
         tables_view = words[1:1 + tables.size].reshape(tables.shape)
-        return mla_decode_mgpu(q, pages, tables_view, words[1 + tables.size:], scale=SCALE, splits=2)
+        return mla_decode_mgpu(q, pages, tables_view, words[1 + tables.size:], scale=SCALE,
+                               config=MLADecodeMGPUConfig(splits=2))
 
     o, lse = run(jnp.asarray(batch.q, jnp.bfloat16), pages, words)
     want_o, want_lse = reference(batch, pages)
@@ -101,8 +104,8 @@ def test_tables_sliced_from_a_packed_buffer(rng):
 
 def test_index_operands_are_computed_buffers():
     """Mosaic-GPU's custom call rejects operands off a 256-byte boundary, and XLA may hand a custom call a slice of
-    a larger buffer in place: the 27-layer engine's batch-64 warm-up failed so with 64-token pages (session 14;
-    a small graph like the test above did not reproduce it on the H200). The kernel's block-table and
+    a larger buffer in place: the 27-layer engine's batch-64 warm-up failed so with 64-token pages (a small
+    graph like the test above did not reproduce it on the H200). The kernel's block-table and
     context-length operands must therefore be results of a computation (a max with 0), never slices or
     reshapes of its inputs: checked in the CUDA lowering."""
     import re
@@ -140,7 +143,8 @@ def test_kernel_lowers_for_cuda(num_heads, stages):
     from jax import export
 
     S = jax.ShapeDtypeStruct
-    fn = functools.partial(mla_decode_mgpu, scale=SCALE, layer=2, stages=stages, interpret=False)
+    fn = functools.partial(mla_decode_mgpu, scale=SCALE, layer=2, config=MLADecodeMGPUConfig(stages=stages),
+                           interpret=False)
     args = [S((16, num_heads, WIDTH), jnp.bfloat16), S((4, 9000, 64, WIDTH), jnp.bfloat16), S((16, 512), jnp.int32),
             S((16,), jnp.int32)]
     module = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import NO_KEY_LSE, mla_paged_attention, write_latent_cache_fp8
+from pallas_kernels.mla import MLADecodeConfig, MLAPrefillConfig
 from pallas_kernels.mla.attention import choose_tiling, mla_paged_attention_pallas
 from pallas_kernels.mla.prefill import mla_prefill_attention_pallas
 from pallas_kernels.mla.reference import mla_paged_attention_reference, mla_prefill_attention_reference
@@ -33,7 +34,8 @@ def _attend(batch, impl, **kwargs):
         fn = functools.partial(mla_paged_attention_reference, scale=SCALE, kv_lora_rank=R)
         fn = jax.jit(fn)
     else:
-        fn = functools.partial(mla_paged_attention_pallas, scale=SCALE, kv_lora_rank=R, interpret=True, **kwargs)
+        fn = functools.partial(mla_paged_attention_pallas, scale=SCALE, kv_lora_rank=R, interpret=True,
+                               config=MLADecodeConfig(**kwargs))
     return [np.asarray(x) for x in fn(*args)]
 
 
@@ -87,7 +89,8 @@ def test_absorbed_kernel_fp8_cache_and_stacked_layer():
     q = jnp.asarray(batch.q, jnp.bfloat16)
     args = (q, pages8, jnp.asarray(batch.block_tables), jnp.asarray(batch.context_lens), jnp.asarray(batch.cu_q_lens))
     kwargs = dict(scale=SCALE, kv_lora_rank=R, page_scales=scales, layer=1)
-    o, lse = mla_paged_attention_pallas(*args, **kwargs, block_q=4, block_h=4, block_k=16, interpret=True)
+    o, lse = mla_paged_attention_pallas(*args, **kwargs, config=MLADecodeConfig(block_q=4, block_h=4, block_k=16),
+                                        interpret=True)
     want_o, want_lse = mla_paged_attention(*args, **kwargs, impl="reference")
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want_o, np.float32), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-2, atol=2e-2)
@@ -107,7 +110,8 @@ def test_unabsorbed_prefill_kernel_matches_reference():
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     args = [jnp.asarray(x) for x in (q, k_nope, k_pe, v, cu_q, cu_kv)]
-    o, lse = mla_prefill_attention_pallas(*args, scale=0.3, block_q=16, block_k=16, interpret=True)
+    o, lse = mla_prefill_attention_pallas(*args, scale=0.3, config=MLAPrefillConfig(block_q=16, block_k=16),
+                                          interpret=True)
     want_o, want_lse = jax.jit(functools.partial(mla_prefill_attention_reference, scale=0.3))(*args)
     assert np.isfinite(np.asarray(o)).all()
     np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), **TOL)

@@ -20,6 +20,7 @@ import pytest
 
 from pallas_kernels.mxfp4 import (
     SHARED_EXPERT,
+    GroupedGemmConfig,
     grouped_matmul,
     grouped_matmul_concat,
     grouped_matmul_reference,
@@ -50,6 +51,11 @@ from pallas_kernels.mxfp4.tiles import make_tile_schedule, max_num_tiles
 
 TOL = 1e-2
 SMALL_TILES = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
+
+
+def tiles(**fields):
+    """The kernels' ``config=`` keyword for SMALL_TILES with ``fields`` changed."""
+    return dict(config=GroupedGemmConfig(**{**SMALL_TILES, **fields}))
 
 
 def assert_rows_close(actual, expected, tol=TOL):
@@ -106,7 +112,7 @@ def test_mxfp4_grouped_matches_reference(group_sizes, extreme):
     x, packed, scales, gs = random_problem(sum(group_sizes), group_sizes, NUM_ROWS)
     if extreme:
         x, scales = extreme_scales(x, scales)
-    got = grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **SMALL_TILES)
+    got = grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", **tiles())
     assert got.dtype == jnp.bfloat16
     assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
     assert not np.asarray(got[sum(group_sizes):], np.float32).any()
@@ -202,12 +208,12 @@ def test_split_k_equals_one_pass(weight_format):
     else:
         w = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64, 16)), jnp.bfloat16)
         weights, want = (w,), grouped_matmul_reference(x, w, gs)
-    got = grouped_gemm_pallas(x, weights, gs, weight_format=weight_format, split_k=2, **SMALL_TILES)
+    got = grouped_gemm_pallas(x, weights, gs, weight_format=weight_format, **tiles(split_k=2))
     assert got.dtype == jnp.bfloat16
     assert_rows_close(got, want)
     assert not np.asarray(got[35:], np.float32).any()
     with pytest.raises(ValueError, match="split_k=3"):
-        grouped_gemm_pallas(x, weights, gs, weight_format=weight_format, split_k=3, **SMALL_TILES)
+        grouped_gemm_pallas(x, weights, gs, weight_format=weight_format, **tiles(split_k=3))
 
 
 def test_tile_config_splits_k_only_when_few_programs_would_run():
@@ -258,11 +264,11 @@ def test_concatenated_matrices_in_one_launch(weight_format, split_k):
     else:
         matrices = tuple((w,) for w in w16)
         want = np.concatenate([grouped_matmul_reference(x, w, gs) for w in w16], axis=1)
-    got = grouped_gemm_concat_pallas(x, matrices, gs, weight_format=weight_format, split_k=split_k, **SMALL_TILES)
+    got = grouped_gemm_concat_pallas(x, matrices, gs, weight_format=weight_format, **tiles(split_k=split_k))
     assert got.shape == (NUM_ROWS, 48)
     assert_rows_close(got, want)
     assert not np.asarray(got[35:], np.float32).any()
-    one = [grouped_gemm_pallas(x, m, gs, weight_format=weight_format, split_k=split_k, **SMALL_TILES)
+    one = [grouped_gemm_pallas(x, m, gs, weight_format=weight_format, **tiles(split_k=split_k))
            for m in matrices]
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.concatenate(one, axis=1).astype(np.float32))
 
@@ -305,7 +311,7 @@ def test_per_row_experts_in_any_order(weight_format, split_k):
         want = grouped_matmul_concat(x, ws, row_experts=row_experts, layer=1, impl="reference")
         dense = [w[1].astype(jnp.float32) for w in ws]
         kernel = grouped_gemm_concat_pallas(x, tuple((w[1],) for w in ws), row_experts, weight_format="bf16",
-                                            split_k=split_k, per_row=True, **SMALL_TILES)
+                                            per_row=True, **tiles(split_k=split_k))
         assert_rows_close(kernel, want)
     assert got.shape == (7, 48) and np.isfinite(np.asarray(want, np.float32)).all()
     by_row = np.concatenate([np.stack([np.asarray(x[m], np.float32) @ np.asarray(w[e]) for m, e in
@@ -364,8 +370,8 @@ def test_shared_expert_rows_join_the_routed_launch(transpose_rhs, split_k):
     assert_rows_close(got, want)
     kernel = grouped_gemm_concat_pallas(
         x, tuple((layout(w[1]).astype(jnp.bfloat16),) for w in routed), row_experts,
-        weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=True, split_k=split_k,
-        shared=tuple((w,) for w in shared_bf16), shared_offset=1, **SMALL_TILES)
+        weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=True,
+        shared=tuple((w,) for w in shared_bf16), shared_offset=1, **tiles(split_k=split_k))
     assert_rows_close(kernel, want)
     with pytest.raises(ValueError, match="shared needs"):
         grouped_matmul_concat(x, routed_bf16, group_sizes=jnp.asarray([4, 4, 0], jnp.int32), layer=1,
@@ -373,7 +379,7 @@ def test_shared_expert_rows_join_the_routed_launch(transpose_rhs, split_k):
     with pytest.raises(ValueError, match="shared needs"):
         grouped_gemm_concat_pallas(x, tuple((w[1],) for w in routed_bf16), row_experts,
                                    weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=True,
-                                   shared=((shared_bf16[1],), (shared_bf16[0],)), **SMALL_TILES)
+                                   shared=((shared_bf16[1],), (shared_bf16[0],)), **tiles())
 
 
 def test_exactly_one_row_map():
@@ -434,25 +440,27 @@ def test_mxfp4_words_kernel_matches_reference(layout, extreme):
     x, packed, scales, gs = random_problem(62, [20, 0, 17], NUM_ROWS, n=32, k=256)
     if extreme:
         x, scales = extreme_scales(x, scales)
-    tiles = dict(SMALL_TILES, **layout)
+    layout = dict(layout)
+    per_row = layout.pop("per_row", False)
+    kwargs = tiles(**layout)
     words = to_word_order(packed)
-    if tiles.pop("per_row", False):
+    if per_row:
         rows = jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)
         want = jnp.concatenate([mxfp4_matmul_reference(x[i:i + 1], packed[e], scales[e])
                                 for i, e in enumerate(np.asarray(rows))])
         got = grouped_gemm_concat_pallas(x[:7], ((words, scales),), rows, weight_format="mxfp4_words",
-                                         per_row=True, **tiles)
+                                         per_row=True, **kwargs)
     else:
         want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
-        got = grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words", **tiles)
+        got = grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words", **kwargs)
     assert_rows_close(got, want)
     with pytest.raises(ValueError, match="multiple of 128"):
-        grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words", **dict(SMALL_TILES, block_k=64))
+        grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words", **tiles(block_k=64))
     with pytest.raises(ValueError, match="weights_lhs=False"):
         grouped_gemm_pallas(x, (words, scales), gs, weight_format="mxfp4_words",
-                            **dict(SMALL_TILES, block_k=128, weights_lhs=True))
+                            **tiles(block_k=128, weights_lhs=True))
     with pytest.raises(ValueError, match="narrow_scales"):
-        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", narrow_scales=True, **SMALL_TILES)
+        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4", narrow_scales=True, **tiles())
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Triton's register layout exists on the GPU only")
@@ -472,9 +480,10 @@ def test_mxfp4_words_at_tile_config_tilings_on_gpu(group_sizes, narrow):
     assert scales_are_narrow(scales) == narrow
     m, n, k = x.shape[0], packed.shape[1], x.shape[1]
     cfg = tile_config(m, len(group_sizes), n, k, "mxfp4_words")
+    config = GroupedGemmConfig(**cfg)
     got = grouped_gemm_pallas(x, (to_word_order(packed), scales), gs, weight_format="mxfp4_words",
-                              narrow_scales=narrow, **cfg)
-    pairs = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs", **cfg)
+                              narrow_scales=narrow, config=config)
+    pairs = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format="mxfp4_pairs", config=config)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(pairs, np.float32))
     assert_rows_close(got, mxfp4_grouped_matmul_reference(x, packed, scales, gs))
 
@@ -494,20 +503,20 @@ def test_mxfp4_pairs_kernel_matches_reference(weight_format, layout, extreme):
     x, packed, scales, gs = random_problem(61, group_sizes, NUM_ROWS, n=32, k=128)
     if extreme:
         x, scales = extreme_scales(x, scales)
-    tiles = dict(SMALL_TILES, block_k=64, **layout)
+    kwargs = tiles(block_k=64, **{name: v for name, v in layout.items() if name != "per_row"})
     if layout.get("per_row"):
         rows = jnp.asarray([2, 0, 2, 1, 2, 0, 1], jnp.int32)
         want = jnp.concatenate([mxfp4_matmul_reference(x[i:i + 1], packed[e], scales[e])
                                 for i, e in enumerate(np.asarray(rows))])
         got = grouped_gemm_concat_pallas(x[:7], ((to_pair_halves(packed), scales),), rows,
-                                         weight_format=weight_format, **tiles)
+                                         weight_format=weight_format, per_row=True, **kwargs)
     else:
         want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
-        got = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format=weight_format, **tiles)
+        got = grouped_gemm_pallas(x, (to_pair_halves(packed), scales), gs, weight_format=weight_format, **kwargs)
         assert not np.asarray(got[sum(group_sizes):], np.float32).any()
     assert_rows_close(got, want)
     with pytest.raises(ValueError, match="pairs of them"):
-        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_pairs", **SMALL_TILES)
+        grouped_gemm_pallas(x, (packed, scales), gs, weight_format="mxfp4_pairs", **tiles())
 
 
 def run_ptx(ptx: str, inputs: dict[str, int]) -> list[int]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mxfp4 import MXFP4MGPUConfig
 from pallas_kernels.mxfp4.decode_mgpu import mxfp4_grouped_matmul_mgpu, prepare_weights, restore_weights
 from pallas_kernels.mxfp4.ops import mgpu_tile_config
 from pallas_kernels.mxfp4.reference import mxfp4_grouped_matmul_reference
@@ -33,8 +34,8 @@ def test_grouped_decode_matches_reference(group_sizes, num_rows, n, k, block_k, 
     if extreme:
         x, scales = extreme_scales(x, scales)
     want = mxfp4_grouped_matmul_reference(x, packed, scales, gs)
-    got = mxfp4_grouped_matmul_mgpu(x, [prepare_weights(packed, scales)], gs, block_k=block_k, block_m=block_m,
-                                    stages=2, wgs=wgs)
+    got = mxfp4_grouped_matmul_mgpu(x, [prepare_weights(packed, scales)], gs,
+                                    config=MXFP4MGPUConfig(block_k=block_k, block_m=block_m, stages=2, wgs=wgs))
     assert got.shape == (num_rows, n) and got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -50,7 +51,8 @@ def test_two_matrices_of_a_layer_stack_in_one_launch():
     nan = lambda s: jnp.stack([jnp.full_like(s, 255), s]).reshape(-1, *s.shape[1:])  # noqa: E731
     stack = lambda p: jnp.concatenate([p, p])  # noqa: E731
     matrices = [prepare_weights(stack(packed), nan(scales)), prepare_weights(stack(packed2), nan(scales2))]
-    got = np.asarray(mxfp4_grouped_matmul_mgpu(x, matrices, gs, 3, block_k=128, stages=2), np.float32)
+    got = np.asarray(mxfp4_grouped_matmul_mgpu(x, matrices, gs, 3, config=MXFP4MGPUConfig(block_k=128, stages=2)),
+                     np.float32)
     want = np.concatenate([np.asarray(mxfp4_grouped_matmul_reference(x, p, s, gs), np.float32)
                            for p, s in ((packed, scales), (packed2, scales2))], axis=1)
     assert got.shape == (14, 192) and np.isfinite(got).all()
@@ -66,7 +68,8 @@ def test_per_row_experts_in_any_order():
     x, packed, scales, _ = random_problem(75, [1, 1, 1], 3, n=64, k=128)
     stack = [prepare_weights(jnp.concatenate([packed, packed]), jnp.concatenate([jnp.full_like(scales, 255), scales]))]
     row_experts = jnp.asarray([2, 0, 2, 1, 1, 0, 0, 2, 1], jnp.int32)
-    got = mxfp4_grouped_matmul_mgpu(x, stack, None, 3, row_experts=row_experts, block_m=8, block_k=64, stages=2)
+    got = mxfp4_grouped_matmul_mgpu(x, stack, None, 3, row_experts=row_experts,
+                                    config=MXFP4MGPUConfig(block_m=8, block_k=64, stages=2))
     want = np.concatenate([np.asarray(mxfp4_matmul_reference(x[m // 3:m // 3 + 1], packed[e], scales[e]), np.float32)
                            for m, e in enumerate(np.asarray(row_experts))])
     assert got.shape == (9, 64)
@@ -95,11 +98,11 @@ def test_prepared_layout_and_bad_arguments():
     with pytest.raises(ValueError, match="prepare_weights"):
         mxfp4_grouped_matmul_mgpu(x, [(pairs[:1], moved[:1])], gs)  # fewer weight rows than experts
     with pytest.raises(ValueError, match="block_k"):
-        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_k=96)
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, config=MXFP4MGPUConfig(block_k=96))
     with pytest.raises(ValueError, match="block_m"):
-        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, block_m=24)
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, config=MXFP4MGPUConfig(block_m=24))
     with pytest.raises(ValueError, match="multiple of 128"):
-        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, wgs=2)  # N = 64
+        mxfp4_grouped_matmul_mgpu(x, [(pairs, moved)], gs, config=MXFP4MGPUConfig(wgs=2))  # N = 64
     with pytest.raises(ValueError, match="multiple of 64"):
         prepare_weights(packed[:, :48], scales[:, :48])
 
@@ -111,8 +114,8 @@ def test_kernel_lowers_for_cuda(rows, block_k, stages, block_m, wgs):
     """``jax.export`` for CUDA runs Mosaic-GPU's lowering on the CPU (layout inference of the byte tile's upcast
     into the wgmma A layout, TMA boxes, shared memory): K3's expert gate + up over 56 experts, at decode and at
     an 8K-token prefill with 256-row tiles (three 68 KB stages; two compute warpgroups)."""
-    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_k=block_k, block_m=block_m, stages=stages, wgs=wgs,
-                           interpret=False)
+    fn = functools.partial(mxfp4_grouped_matmul_mgpu, interpret=False,
+                           config=MXFP4MGPUConfig(block_k=block_k, block_m=block_m, stages=stages, wgs=wgs))
     gate_up = [(S((56, 56, 3072, 32), jnp.uint8), S((56, 112, 3072), jnp.uint8))] * 2
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(S((rows, 3584), jnp.bfloat16), gate_up,
                                                                 S((56,), jnp.int32)).mlir_module()
@@ -128,7 +131,7 @@ def test_tile_config_by_rows_per_expert():
 def test_per_row_kernel_lowers_for_cuda():
     """K3's batch-1 decode as the MoE runs it: 16 (token, expert) rows, each its own 8-row tile, layer 2 of a
     stack of 3 x 56 experts."""
-    fn = functools.partial(mxfp4_grouped_matmul_mgpu, block_m=8, interpret=False)
+    fn = functools.partial(mxfp4_grouped_matmul_mgpu, config=MXFP4MGPUConfig(block_m=8), interpret=False)
     gate_up = [(S((168, 56, 3072, 32), jnp.uint8), S((168, 112, 3072), jnp.uint8))] * 2
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(
         S((1, 3584), jnp.bfloat16), gate_up, None, S((), jnp.int32), row_experts=S((16,), jnp.int32)).mlir_module()
