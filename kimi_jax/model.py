@@ -8,6 +8,8 @@ spec section 0.4 / 3), chosen by ``config.attn_res_block_size``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,6 +21,7 @@ from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
 from kimi_jax.step import HybridCache, StepInputs, token_layout
 from pallas_kernels.attnres import attnres_mix
+from pallas_kernels.impl import resolve_impl
 from pallas_kernels.rmsnorm import PartialSum, add_rms_norm, total
 
 NORM_KERNEL_MAX_ROWS = 256
@@ -89,15 +92,26 @@ class _Mixer:
 
 
 def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None,
-            mla_form: str = "absorbed", finite_pages: bool = True) -> tuple[jax.Array, HybridCache]:
+            mla_form: str = "absorbed", finite_pages: bool = True, parallel=None,
+            aux: dict | None = None) -> tuple[jax.Array, HybridCache]:
     """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache).
 
     ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
     ("absorbed", "unabsorbed", or "auto" from the step's shapes: the same function; see kimi_jax.layers.mla);
     ``finite_pages``: the MLA pool holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode;
-    see ``mla_layer``)."""
+    see ``mla_layer``).
+
+    ``parallel``: None (one device, or GSPMD partitioning from the parameter placements with pure-XLA ops), or a
+    ``sharding.Parallel`` whose ``kda`` / ``mla`` / ``dense_mlp`` / ``moe`` / ``replicated`` methods run each
+    sublayer inside ``jax.shard_map`` with per-shard shapes and explicit collectives (tensor, expert and decode
+    context parallelism; the only way the Pallas kernels run on a multi-device mesh). Embeddings, norms and
+    AttnRes stay replicated XLA between the sublayers.
+
+    ``aux``: a dict that receives ``"router_counts"``, int32 [L_moe, E]: the (token, choice) pairs each expert got
+    in each MoE layer, real rows only (router load statistics)."""
     cfg = model.config
     layout = token_layout(step)
+    router_stats = [] if aux is not None and cfg.moe_layers else None
     x = model.embed[step.token_ids]
     kda_j, mla_j = _stack_index(cfg.kda_layers), _stack_index(cfg.mla_layers)
     dense_j, moe_j = _stack_index(cfg.dense_layers), _stack_index(cfg.moe_layers)
@@ -107,17 +121,21 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
 
     def attention(i: int, h: jax.Array) -> jax.Array | PartialSum:
         nonlocal state, conv, pages, scales
+        kda_fn = kda_layer if parallel is None else parallel.kda
+        mla_fn = mla_layer if parallel is None else parallel.mla
         if cfg.layer_types[i] == "kda":
-            out, state, conv = kda_layer(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
+            out, state, conv = kda_fn(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
             return out
-        out, pages, scales = mla_layer(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
-                                       form=mla_form, finite_pages=finite_pages)
+        out, pages, scales = mla_fn(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
+                                    form=mla_form, finite_pages=finite_pages)
         return out
 
     def ffn(i: int, h: jax.Array) -> jax.Array | PartialSum:
         if cfg.mlp_types[i] == "dense":
-            return dense_mlp(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
-        return moe(model.moe, moe_j[i], h, cfg, impl=impl)
+            dense_fn = dense_mlp if parallel is None else parallel.dense_mlp
+            return dense_fn(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
+        moe_fn = moe if parallel is None else parallel.moe
+        return moe_fn(model.moe, moe_j[i], h, cfg, impl=impl, stats=router_stats, valid=layout.valid)
 
     if cfg.uses_attnres:
         ar = model.attn_res
@@ -141,7 +159,11 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
         norm_impl = impl if x.shape[0] <= NORM_KERNEL_MAX_ROWS else "reference"
 
         def add_norm(x, delta, weight, layer=None):  # the stacked norms' rows are read in place (no slice copy)
-            return add_rms_norm(x, delta, weight, eps=cfg.rms_norm_eps, layer=layer, impl=norm_impl)
+            fn = functools.partial(add_rms_norm, eps=cfg.rms_norm_eps, layer=layer, impl=norm_impl)
+            if parallel is not None and resolve_impl(norm_impl) == "pallas":
+                # a Pallas kernel on replicated rows runs per device inside shard_map, never under GSPMD
+                return parallel.replicated(fn, x, delta, weight)
+            return fn(x, delta, weight)
 
         x, h = add_norm(x, None, model.input_norm[...], 0)
         for i in range(cfg.num_layers):
@@ -149,6 +171,8 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             last = i + 1 == cfg.num_layers
             x, h = add_norm(x, ffn(i, h), *((model.norm[...], None) if last else (model.input_norm[...], i + 1)))
         hidden = h[step.logits_indices]
+    if router_stats is not None:
+        aux["router_counts"] = jnp.stack(router_stats)
     return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
 
 

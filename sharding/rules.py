@@ -79,12 +79,28 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 _COMPILED = tuple((re.compile(pattern), spec) for pattern, spec in PARAM_RULES)
 
 
-def param_spec(path: str) -> P:
+EP_ALL = ("tensor", "dcp", "expert")
+"""The expert-parallel group of routed experts under ``--enable-expert-parallel`` (vLLM's semantics: experts use
+EP over the whole tensor-parallel group, and the ``expert`` axis if any, instead of splitting each expert's width)."""
+_ROUTED = re.compile(r"moe\.w[123](_packed|_pairs|_words|_scale|_mgpu|_mgpu_scale)?")
+
+
+def is_routed_expert(path: str) -> bool:
+    """Whether ``path`` is a routed expert weight (``moe.w1``, ``moe.w2_packed``, ``moe.w3_mgpu_scale``, ...)."""
+    return _ROUTED.fullmatch(path) is not None
+
+
+def param_spec(path: str, expert_parallel: bool = False) -> P:
     """The PartitionSpec of a parameter path (``"kda.q_proj"``); the first fully matching rule wins.
+
+    ``expert_parallel``: routed experts split E over :data:`EP_ALL` and keep their FFN width whole (the rule's
+    ``expert`` entry becomes ``EP_ALL`` and its TP entries are dropped).
 
     Raises ValueError for a path no rule covers, so a new parameter is never replicated silently."""
     for pattern, spec in _COMPILED:
         if pattern.fullmatch(path):
+            if expert_parallel and is_routed_expert(path):
+                return P(*(EP_ALL if e == "expert" else None for e in spec))
             return spec
     raise ValueError(f"no partition rule for parameter {path!r}; add one to sharding.rules.PARAM_RULES")
 

@@ -253,7 +253,7 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     return out
 
 
-def _row_path(t_rows: int, k: int, impl: str | None) -> bool:
+def row_path(t_rows: int, k: int, impl: str | None) -> bool:
     """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS)."""
     return t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
 
@@ -263,7 +263,7 @@ def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str 
     reading the same input (no latent projection)."""
     return (FUSE_SHARED_EXPERT and cfg.num_shared_experts > 0 and cfg.latent_dim is None
             and _packed_experts(p, "w1") is None and p.shared_gate.shape[-1] == p.w1.shape[-1]
-            and _row_path(x.shape[0], cfg.num_experts_per_token, impl))
+            and row_path(x.shape[0], cfg.num_experts_per_token, impl))
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -281,21 +281,51 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
     dtype = z.dtype
-    if with_shared or _row_path(t_rows, k, impl):
+    if with_shared or row_path(t_rows, k, impl):
         order, xs, rows = None, z, dict(row_experts=flat)  # the kernel reads token t's row for its k pairs
     else:
         order = jnp.argsort(flat, stable=True)
         xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))
-    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows,
-                              shared=("shared_gate", "shared_up") if with_shared else ())
-    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows,
-                           shared=("shared_down",) if with_shared else ())
+    ys = expert_glu(p, j, xs, cfg, impl=impl, **rows, with_shared=with_shared)
     y = ys if order is None else jnp.zeros_like(ys).at[order].set(ys)  # back to (token, choice) order
     return jnp.einsum("tkd,tk->td", y.reshape(t_rows, k, -1), weights).astype(dtype)
 
 
-def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
+def expert_glu(p: MoEStack, j: int, xs: jax.Array, cfg: ModelConfig, *, impl: str | None = None,
+               sizes: jax.Array | None = None, row_experts: jax.Array | None = None,
+               with_shared: bool = False) -> jax.Array:
+    """The routed experts' GLU of rows ``xs [M, Din]``: ``w2(glu(w1 x, w3 x))`` per row's expert -> f32 [M, Din].
+
+    Rows are sorted by expert with ``sizes [E]`` rows per expert (E = the experts ``p`` holds: all of them, or an
+    expert-parallel rank's share), or (Pallas only) unsorted with ``row_experts [M]``; ``with_shared`` as in
+    :func:`routed_experts`. A zero row gives a zero result (the GLU of 0 is 0), which is what padding rows of an
+    expert-parallel dispatch buffer rely on."""
+    rows = dict(sizes=sizes) if row_experts is None else dict(row_experts=row_experts)
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows,
+                              shared=("shared_gate", "shared_up") if with_shared else ())
+    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(xs.dtype), up.astype(xs.dtype), cfg), impl, **rows,
+                           shared=("shared_down",) if with_shared else ())
+    return ys
+
+
+def glu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, j: int, cfg: ModelConfig,
+            impl: str | None = None) -> jax.Array | PartialSum:
+    """Layer ``j`` of stacked GLU weights (see :func:`_glu_mlp`), for the shared experts of a sharded MoE."""
+    return _glu_mlp(x, gate, up, down, j, cfg, impl)
+
+
+def router_counts(idx: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Per-expert routed (token, choice) pairs of the rows where ``valid [T]`` holds: idx [T, k] -> int32 [E]."""
+    weights = jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32).reshape(-1)
+    return jnp.zeros(num_experts, jnp.int32).at[idx.reshape(-1)].add(weights)
+
+
+def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None,
+        stats: list | None = None, valid: jax.Array | None = None) -> jax.Array:
     """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D].
+
+    ``stats``: a list that gets this layer's router load appended (:func:`router_counts` of the rows where
+    ``valid [T]`` holds, int32 [E]).
 
     The routed and shared outputs are summed here, by XLA in one kernel, even at decode: handing their 8 + 4
     rows to the add + RMSNorm kernel as a :class:`PartialSum` made that single-program kernel slower than XLA's
@@ -304,6 +334,8 @@ def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None
         x, p.router[...], p.router_bias[...], k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
         scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,
         layer=j, impl=impl)
+    if stats is not None:
+        stats.append(router_counts(idx, jnp.ones(x.shape[0], bool) if valid is None else valid, cfg.num_experts))
     z = stacked_linear(x, p.latent_down, j, impl=impl) if cfg.latent_dim is not None else x
     fused = _fuses_shared_expert(p, x, cfg, impl)
     y = routed_experts(p, j, z, weights, idx, cfg, impl=impl, with_shared=fused)

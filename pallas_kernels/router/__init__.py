@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.impl import layer_stacks, resolve_impl
-from pallas_kernels.router.reference import route_reference
+from pallas_kernels.router.reference import route_reference, select_experts
 
-__all__ = ["route", "route_reference", "KERNEL_MAX_ROWS"]
+__all__ = ["route", "route_reference", "select_experts", "KERNEL_MAX_ROWS"]
 
 KERNEL_MAX_ROWS = 64
 """Token rows up to which ``impl="pallas"`` routes with the two Pallas kernels (decode steps); larger steps keep
