@@ -182,14 +182,15 @@ def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=F32)
 
 
-def use_serving_byte_order(model: KimiModel, order: str, *, fast_kernels: bool) -> str:
+def use_serving_byte_order(model: KimiModel, order: str, *, fast_kernels: bool, width_shards: int = 1) -> str:
     """Re-lay the routed MXFP4 experts in place into the byte order they are served in and return it.
 
     ``order``: "checkpoint" (unchanged), "pairs", "words", or "auto" (the word order when ``fast_kernels``, i.e.
     Pallas on a GPU, and every expert input width allows it; else pair halves; else the checkpoint order). A model
-    without MXFP4 experts, or already in that order, is left as it is."""
+    without MXFP4 experts, or already in that order, is left as it is. ``width_shards``: tensor-parallel ranks each
+    expert's FFN width is split over (see ``serving_byte_order``)."""
     stack = getattr(model, "moe", None)
-    order = serving_byte_order(stack, order, fast_kernels)
+    order = serving_byte_order(stack, order, fast_kernels, width_shards)
     if order != "checkpoint" and getattr(stack, f"w1_{order}", None) is None:
         use_byte_order(stack, order)
     return order

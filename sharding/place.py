@@ -26,7 +26,7 @@ from kimi_jax.model import KimiModel
 from kimi_jax.step import HybridCache
 from kimi_jax.weights.loader import param_leaves
 from sharding.mesh import MeshShape
-from sharding.rules import fit_spec, fitted_cache_specs, param_spec
+from sharding.rules import conv_channel_order, fit_spec, fitted_cache_specs, param_spec
 
 
 def param_specs(model: KimiModel, sizes: Mapping[str, int] | MeshShape) -> dict[str, P]:
@@ -38,18 +38,6 @@ def param_specs(model: KimiModel, sizes: Mapping[str, int] | MeshShape) -> dict[
     sizes = sizes.sizes() if isinstance(sizes, MeshShape) else sizes
     return {path: fit_spec(param_spec(path, ep), tuple(var.shape), sizes)
             for path, var in param_leaves(model).items()}
-
-
-def conv_channel_order(cfg: ModelConfig, tp: int) -> np.ndarray:
-    """Channel ``c`` of the rank-major conv layout for ``tp`` ranks holds channel ``order[c]`` of ``[q | k | v]``.
-
-    Identity for ``tp == 1``. Needs ``H * K`` and ``HV * V`` divisible by ``tp`` (whole heads per rank)."""
-    hk, hvv = cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_num_v_heads * cfg.kda_v_head_dim
-    if hk % tp or hvv % tp:
-        raise ValueError(f"KDA conv channels (q/k {hk}, v {hvv}) cannot be split over {tp} tensor-parallel ranks")
-    a, b = hk // tp, hvv // tp
-    return np.concatenate([np.concatenate([np.arange(r * a, (r + 1) * a), hk + np.arange(r * a, (r + 1) * a),
-                                           2 * hk + np.arange(r * b, (r + 1) * b)]) for r in range(tp)])
 
 
 def relayout_conv(model: KimiModel, tp: int) -> None:
@@ -68,6 +56,14 @@ def relayout_conv(model: KimiModel, tp: int) -> None:
     stack.conv_tp = tp
 
 
+def place_array(value, sharding: NamedSharding) -> jax.Array:
+    """``value`` (a host or single-device array that every process holds whole) placed with ``sharding``; on a
+    multi-process mesh each process builds only its addressable shards."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(tuple(value.shape), sharding, lambda index: np.asarray(value[index]))
+
+
 def shard_params(model: KimiModel, mesh: Mesh, *, expert_parallel: bool = False,
                  for_parallel: bool | None = None) -> KimiModel:
     """Move every parameter of ``model`` to ``mesh`` with its fitted spec (in place); returns ``model``.
@@ -78,8 +74,23 @@ def shard_params(model: KimiModel, mesh: Mesh, *, expert_parallel: bool = False,
     relayout_conv(model, shape.tensor_parallel if (mesh.size > 1 if for_parallel is None else for_parallel) else 1)
     specs = param_specs(model, shape)
     for path, var in param_leaves(model).items():
-        var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, specs[path])))
+        var.set_value(place_array(var.get_value(), NamedSharding(mesh, specs[path])))
     return model
+
+
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, **pool_sizes) -> HybridCache:
+    """NamedShardings of the pools ``init_cache(cfg, **pool_sizes)`` would make, fitted to ``mesh``."""
+    from kimi_jax.step import init_cache
+
+    specs = fitted_cache_specs(jax.eval_shape(lambda: init_cache(cfg, **pool_sizes)), MeshShape.of(mesh).sizes())
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def zero_cache(cfg: ModelConfig, mesh: Mesh, **pool_sizes) -> HybridCache:
+    """Zeroed pools created directly in their shards on ``mesh`` (no whole pool on one device)."""
+    from kimi_jax.step import init_cache
+
+    return jax.jit(lambda: init_cache(cfg, **pool_sizes), out_shardings=cache_shardings(cfg, mesh, **pool_sizes))()
 
 
 def shard_cache(cache: HybridCache, mesh: Mesh) -> HybridCache:

@@ -158,7 +158,7 @@ def plan_memory(cfg: ModelConfig, mesh: MeshShape, *, context_len: int, batch: i
     for path, var in param_leaves(_abstract_model(cfg, weight_dtype)).items():
         shape = tuple(var.shape)
         nbytes = math.prod(shape) * jnp.dtype(var.dtype).itemsize
-        rule = param_spec(path)
+        rule = param_spec(path, mesh.expert_parallel)
         spec = fit_spec(rule, shape, sizes)
         if shard_factor(spec, sizes) < shard_factor(rule, sizes):
             replicated.append(path)

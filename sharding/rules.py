@@ -28,6 +28,7 @@ import math
 import re
 from collections.abc import Mapping
 
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax.step import HybridCache
@@ -147,3 +148,14 @@ def fitted_cache_specs(cache: HybridCache, sizes: Mapping[str, int]) -> HybridCa
     return HybridCache(**{name: fit_spec(getattr(specs, name), pool.shape, sizes)
                           for name, pool in cache.pools().items()})
 
+
+def conv_channel_order(cfg, tp: int) -> np.ndarray:
+    """Channel ``c`` of the rank-major conv layout for ``tp`` ranks holds channel ``order[c]`` of ``[q | k | v]``.
+
+    Identity for ``tp == 1``. Needs ``H * K`` and ``HV * V`` divisible by ``tp`` (whole heads per rank)."""
+    hk, hvv = cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_num_v_heads * cfg.kda_v_head_dim
+    if hk % tp or hvv % tp:
+        raise ValueError(f"KDA conv channels (q/k {hk}, v {hvv}) cannot be split over {tp} tensor-parallel ranks")
+    a, b = hk // tp, hvv // tp
+    return np.concatenate([np.concatenate([np.arange(r * a, (r + 1) * a), hk + np.arange(r * a, (r + 1) * a),
+                                           2 * hk + np.arange(r * b, (r + 1) * b)]) for r in range(tp)])

@@ -141,22 +141,40 @@ REORDERS = {"pairs": (mxfp4.to_pair_halves, 2 * mxfp4.BLOCK), "words": (mxfp4.to
 divide): the pair-halves order and the word order (:mod:`pallas_kernels.mxfp4.quant`)."""
 
 
-def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool) -> str:
+def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool, width_shards: int = 1) -> str:
     """The byte order to serve ``p``'s MXFP4 experts in for ``EngineConfig.mxfp4_byte_order`` ``order``: itself,
     or for "auto" the word order when ``fast_kernels`` (Pallas on a GPU) and every expert input width is a multiple
-    of 128, else pair halves where they are of 64, else the checkpoint order."""
+    of 128, else pair halves where they are of 64, else the checkpoint order.
+
+    ``width_shards``: the tensor-parallel ranks each expert's FFN width F is split over (w2's input width): a
+    re-ordered byte block must not straddle two ranks' shards, so each shard's width must fit the order. An
+    explicit order that does not fit raises ValueError."""
     if order != "auto":
+        packed = getattr(p, "w2_packed", None)  # None: bf16 experts, or already re-laid
+        if order != "checkpoint" and width_shards > 1 and packed is not None and not byte_order_fits(p, order,
+                                                                                                   width_shards):
+            raise ValueError(f"mxfp4_byte_order {order!r} needs each tensor-parallel shard of the expert width to "
+                             f"be a multiple of {REORDERS[order][1]}; F={2 * packed.shape[-1]} over "
+                             f"{width_shards} ranks is not")
         return order
-    return next((o for o in ("words", "pairs") if fast_kernels and byte_order_fits(p, o)), "checkpoint")
+    return next((o for o in ("words", "pairs") if fast_kernels and byte_order_fits(p, o, width_shards)),
+                "checkpoint")
 
 
-def byte_order_fits(p: MoEStack | None, order: str) -> bool:
+def byte_order_fits(p: MoEStack | None, order: str, width_shards: int = 1) -> bool:
     """Whether ``p`` has MXFP4 routed experts in the checkpoint byte order (``{w}_packed`` parameters) whose
-    input widths are multiples of what ``order`` (a key of ``REORDERS``) needs: 64 (pairs) or 128 (words)."""
+    input widths are multiples of what ``order`` (a key of ``REORDERS``) needs: 64 (pairs) or 128 (words); w2's
+    input width (F) counted per shard of ``width_shards``."""
     if p is None:
         return False
-    packed = [getattr(p, f"{name}_packed", None) for name in ("w1", "w3", "w2")]
-    return all(w is not None and (2 * w.shape[-1]) % REORDERS[order][1] == 0 for w in packed)  # in/2 bytes
+    block = REORDERS[order][1]
+    for name in ("w1", "w3", "w2"):
+        w = getattr(p, f"{name}_packed", None)
+        width = 2 * w.shape[-1] if w is not None else 0  # in/2 bytes
+        shards = width_shards if name == "w2" else 1
+        if w is None or width % shards or (width // shards) % block:
+            return False
+    return True
 
 
 @functools.partial(jax.jit, static_argnames="order", donate_argnums=0)

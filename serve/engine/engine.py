@@ -156,7 +156,7 @@ class LLMEngine:
             block_size=cfg.block_size, num_blocks=num_blocks, num_slots=runner.num_slots,
             enable_prefix_caching=cfg.enable_prefix_caching, retention_interval=cfg.prefix_cache_retention_interval,
             max_checkpoints_per_seq=cfg.max_checkpoints_per_seq, bytes_per_block=runner.plan.bytes_per_block,
-            bytes_per_slot=runner.plan.bytes_per_slot)
+            bytes_per_slot=runner.plan.bytes_per_slot, page_group_size=runner.page_group_size)
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                                    max_num_batched_tokens=cfg.max_num_batched_tokens), cache_config)
         self._rng = random.Random(cfg.seed)

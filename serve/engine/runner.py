@@ -22,7 +22,11 @@ batch so that a step the device cannot run fails at start-up; calling a compiled
 compiles, and ``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
 
 Placement: parameters, caches and step inputs carry ``NamedSharding``s of ``mesh`` (one device by default,
-everything replicated), so tensor / expert parallelism is a change of partition specs, not of this code.
+everything replicated). On a multi-device mesh the step's forward runs every sublayer inside ``jax.shard_map``
+(``sharding.Parallel``: tensor, expert and decode context parallelism, Pallas kernels or reference ops alike);
+the MLA page pool's blocks are split over the ``dcp`` ranks and the scheduler stripes each request's pages over
+them (``page_group_size``). Every step also adds its router load (per-expert routed pairs of real rows) to
+device-resident totals that ``router_load()`` fetches without waiting.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
+from sharding.parallel import parallel_for
+from sharding.place import relayout_conv
 from sharding.rules import fitted_cache_specs
 
 COPY_CHUNK = 16
@@ -90,12 +96,15 @@ def _param_path(path: tuple) -> str:
 
 
 def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool,
-              finite_pages: bool, params, cache, words, optional, prev_tokens):
+              finite_pages: bool, parallel, params, cache, words, optional, prev_tokens, router_totals):
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
     prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
     ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N], tokens [S] (the sampled ids
-    padded with 0, the next step's ``prev_tokens``), new cache).
+    padded with 0, the next step's ``prev_tokens``), new cache, ``router_totals [L_moe, E]`` int32 plus this
+    step's router load).
+
+    ``parallel`` (static): the mesh's ``sharding.Parallel`` (None on one device).
 
     ``greedy_only`` (static): the variant for steps with no sampling, grammar, penalties or top logprobs: just
     the argmax. The general variant always applies the bitmask and penalties (neutral when unused), sorts for
@@ -111,11 +120,16 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
     step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    hidden, cache = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages)
+    aux = {}
+    hidden, cache = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages,
+                            parallel=parallel, aux=aux)
+    if "router_counts" in aux:
+        router_totals = router_totals + aux["router_counts"]
     logits = compute_logits(model, hidden)  # [N, vocab] f32
     rows = logits.shape[0]
     if greedy_only:
-        sampled = _greedy(logits, impl)
+        sampled = _greedy(logits, impl) if parallel is None else parallel.replicated(partial(_greedy, impl=impl),
+                                                                                     logits)
         top = (jnp.zeros((rows, num_top_logprobs), jnp.int32), jnp.zeros((rows, num_top_logprobs), jnp.float32))
         sampled = SampledTokens(sampled.token_ids, sampled.logprobs, *top)
     else:
@@ -127,7 +141,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
             top_lps, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
             sampled = SampledTokens(sampled.token_ids, sampled.logprobs, top_ids.astype(jnp.int32), top_lps)
     tokens = jnp.zeros_like(prev_tokens).at[:rows].set(sampled.token_ids)
-    return sampled, tokens, cache
+    return sampled, tokens, cache, router_totals
 
 
 def _greedy(logits: jax.Array, impl: str | None) -> SampledTokens:
@@ -190,9 +204,12 @@ class ModelRunner:
     Args:
       model: a KimiModel or KimiLM (its ``impl`` is used unless ``impl`` is given).
       config: engine settings; resolved here for the model and platform (``self.config``).
-      mesh: a ``sharding.make_mesh`` mesh (default: one device). Parameters and cache pools are placed with
-        the partition rules of ``sharding.rules`` fitted to it (on one device: everything replicated); the
-        step is partitioned by GSPMD, which needs the pure-XLA ops (the Pallas kernels are not partitioned yet).
+      mesh: a ``sharding.make_mesh`` mesh of one replica (default: one device). Parameters and cache pools are
+        placed with the partition rules of ``sharding.rules`` fitted to it (on one device: everything
+        replicated); on more than one device the forward's sublayers run in ``jax.shard_map``
+        (``sharding.Parallel``), with either impl.
+      expert_parallel: vLLM's ``--enable-expert-parallel``: routed experts split over every device of the mesh.
+      capacity_factor: expert-parallel dispatch buffer size (``sharding.moe_ep``; None = exact).
       impl: op implementation passed to the forward (None = backend default).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
 
@@ -202,22 +219,27 @@ class ModelRunner:
     """
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
-                 impl: str | None = None, warm_up: bool = True, progress: Callable[[int, int], None] | None = None):
+                 expert_parallel: bool = False, capacity_factor: float | None = None, impl: str | None = None,
+                 warm_up: bool = True, progress: Callable[[int, int], None] | None = None):
         if isinstance(model, KimiLM):
             impl = impl if impl is not None else model.impl
+            if getattr(model, "parallel", None) is not None and mesh is None:
+                mesh = model.parallel.mesh
+                expert_parallel = model.parallel.shape.expert_parallel
             model = model.model
         self.model_config = model.config
         self.mesh = mesh or make_mesh()
-        if self.mesh.size > 1 and resolve_impl(impl) == "pallas":
-            raise ValueError("a multi-device mesh needs impl='reference': the Pallas kernels have no shard_map "
-                             "wrappers yet, and XLA cannot partition them")
+        self.shape = MeshShape.of(self.mesh, expert_parallel=expert_parallel)
+        self.parallel = parallel_for(self.mesh, expert_parallel=expert_parallel, capacity_factor=capacity_factor)
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
-        use_serving_byte_order(model, self.config.mxfp4_byte_order,
+        width_shards = 1 if expert_parallel else self.shape.tensor_parallel
+        use_serving_byte_order(model, self.config.mxfp4_byte_order, width_shards=width_shards,
                                fast_kernels=self.on_gpu and resolve_impl(impl) == "pallas")
+        relayout_conv(model, self.shape.tensor_parallel if self.parallel is not None else 1)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        specs = param_specs(model, MeshShape.of(self.mesh))
+        specs = param_specs(model, self.shape)
         graphdef, state = nnx.split(model)
         paths_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.param_names = [_param_path(path) for path, _ in paths_leaves]
@@ -239,6 +261,12 @@ class ModelRunner:
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
         self._tokens = jax.device_put(np.zeros(max(self.buckets.seqs), np.int32), self.replicated)
+        cfg_m = model.config
+        self._router_totals = jax.device_put(
+            np.zeros((len(cfg_m.moe_layers), cfg_m.num_experts if cfg_m.moe_layers else 0), np.int32),
+            self.replicated)
+        self._router_fetch = None  # a past totals array whose copy to the host is in flight
+        self._router_host = np.asarray(self._router_totals)
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up(progress)
@@ -252,11 +280,29 @@ class ModelRunner:
     def num_slots(self) -> int:
         return self.plan.num_slots
 
+    @property
+    def page_group_size(self) -> int | None:
+        """Pages per DCP rank (the pool's blocks are split into that many consecutive ids per rank), or None."""
+        return self.plan.num_blocks // self.shape.dcp if self.shape.dcp > 1 else None
+
+    def router_load(self) -> np.ndarray:
+        """Routed (token, choice) pairs per expert and MoE layer since start, int32 [L_moe, E], as of a recent
+        step: never waits for the device (the totals of a past step are copied to the host in the background,
+        and the newest copy that has arrived is returned)."""
+        if self._router_fetch is not None and self._router_fetch.is_ready():
+            self._router_host = np.asarray(self._router_fetch)
+            self._router_fetch = None
+        if self._router_fetch is None:
+            self._router_fetch = self._router_totals
+            self._router_fetch.copy_to_host_async()
+        return self._router_host
+
     def _plan_pools(self) -> PoolPlan:
         cfg = self.config
         fp8 = self.kv_dtype == jnp.float8_e4m3fn
         dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize,
-                                           mla_scale_bytes=4 if fp8 else 0)
+                                           mla_scale_bytes=4 if fp8 else 0, kda_shards=self.shape.tensor_parallel,
+                                           mla_shards=self.shape.dcp)
         budget = cfg.memory_budget_bytes or (self._device_budget() if self.on_gpu else CPU_MEMORY_BUDGET)
         plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                          num_checkpoint_slots=cfg.num_checkpoint_slots)
@@ -300,10 +346,11 @@ class ModelRunner:
             words = jax.ShapeDtypeStruct((layout.num_words,), jnp.int32, sharding=self.replicated)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
                 step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
-                                          layout, greedy_only, not cfg.test_mode), donate_argnums=(1,),
-                                  out_shardings=(self.replicated, self.replicated, self.cache_shardings))
+                                          layout, greedy_only, not cfg.test_mode, self.parallel), donate_argnums=(1,),
+                                  out_shardings=(self.replicated, self.replicated, self.cache_shardings,
+                                                 self.replicated))
                 lowered[(*shape, greedy_only)] = step_fn.lower(self.params, self.cache, words, optional,
-                                                                self._tokens)
+                                                                self._tokens, self._router_totals)
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
         pinned = dict(donate_argnums=(0,), out_shardings=self.cache_shardings)
@@ -339,8 +386,8 @@ class ModelRunner:
             self._buffers[key[:4]].reset()
             optional = tuple(self._neutral_sampling(seqs)[name] for name in OPTIONAL_SAMPLING)
             try:
-                sampled, _, self.cache = step(self.params, self.cache, self._buffers[key[:4]].take(), optional,
-                                              self._tokens)
+                sampled, _, self.cache, _ = step(self.params, self.cache, self._buffers[key[:4]].take(), optional,
+                                                 self._tokens, self._router_totals)
                 jax.block_until_ready((sampled, self.cache))
             except jax.errors.JaxRuntimeError as err:
                 kind = "decode" + (" (greedy)" if greedy_only else "") if decode_only else "mixed"
@@ -391,9 +438,10 @@ class ModelRunner:
         inputs = (self._buffers[shape].take(), optional)
         key = (*shape, greedy_only)
         self.launch_counts[key] += 1
-        self._last_launch = (self._steps[key], (*inputs, self._tokens))
+        self._last_launch = (self._steps[key], (*inputs, self._tokens, self._router_totals))
         start = time.perf_counter()
-        sampled, self._tokens, self.cache = self._last_launch[0](self.params, self.cache, *self._last_launch[1])
+        sampled, self._tokens, self.cache, self._router_totals = self._last_launch[0](self.params, self.cache,
+                                                                                       *self._last_launch[1])
         self.last_call_seconds = time.perf_counter() - start
         return StepHandle(sampled, len(out.sequences), with_logprobs)
 
@@ -404,7 +452,7 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         start = time.perf_counter()
         for _ in range(repeats):
-            sampled, _, self.cache = executable(self.params, self.cache, *args)
+            sampled, _, self.cache, _ = executable(self.params, self.cache, *args)
         jax.block_until_ready((sampled, self.cache))
         return (time.perf_counter() - start) / repeats
 
