@@ -51,6 +51,7 @@ from kimi_jax.model import KimiModel, compute_logits, forward, use_serving_byte_
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
 from pallas_kernels.impl import resolve_impl
+from serve.engine import multihost
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
@@ -60,7 +61,7 @@ from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
 from sharding.parallel import parallel_for
-from sharding.place import relayout_conv
+from sharding.place import place_array, relayout_conv
 from sharding.rules import fitted_cache_specs
 
 COPY_CHUNK = 16
@@ -178,7 +179,7 @@ class StepHandle:
         self._sampled = sampled
         self._num_rows = num_rows
         self._with_logprobs = with_logprobs
-        if sampled is not None:
+        if sampled is not None and sampled.token_ids.is_fully_addressable:
             sampled.token_ids.copy_to_host_async()
             if with_logprobs:
                 for array in (sampled.logprobs, sampled.top_token_ids, sampled.top_logprobs):
@@ -189,13 +190,13 @@ class StepHandle:
         if self._sampled is None:
             return SampledTokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, 0), np.int32),
                                  np.zeros((0, 0), np.float32))
-        token_ids = np.asarray(self._sampled.token_ids)[:n]
+        host = multihost.host_view  # this process's copy of the replicated outputs
+        token_ids = host(self._sampled.token_ids)[:n]
         if not self._with_logprobs:
             return SampledTokens(token_ids, np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
                                  np.zeros((n, 0), np.float32))
         s = self._sampled
-        return SampledTokens(token_ids, np.asarray(s.logprobs)[:n], np.asarray(s.top_token_ids)[:n],
-                             np.asarray(s.top_logprobs)[:n])
+        return SampledTokens(token_ids, host(s.logprobs)[:n], host(s.top_token_ids)[:n], host(s.top_logprobs)[:n])
 
 
 class ModelRunner:
@@ -230,6 +231,7 @@ class ModelRunner:
         self.model_config = model.config
         self.mesh = mesh or make_mesh()
         self.shape = MeshShape.of(self.mesh, expert_parallel=expert_parallel)
+        self.multihost = multihost.is_multiprocess()
         self.parallel = parallel_for(self.mesh, expert_parallel=expert_parallel, capacity_factor=capacity_factor)
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.config = config.resolve(model.config, gpu=self.on_gpu)
@@ -243,7 +245,7 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         paths_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.param_names = [_param_path(path) for path, _ in paths_leaves]
-        self.params = [jax.device_put(leaf, NamedSharding(self.mesh, specs[name]))
+        self.params = [_place_param(leaf, NamedSharding(self.mesh, specs[name]))
                        for name, (_, leaf) in zip(self.param_names, paths_leaves)]
         self._graphdef = graphdef
         self.vocab_size = model.config.vocab_size
@@ -260,13 +262,11 @@ class ModelRunner:
         self._last_launch = None
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
-        self._tokens = jax.device_put(np.zeros(max(self.buckets.seqs), np.int32), self.replicated)
+        self._tokens = self._put(np.zeros(max(self.buckets.seqs), np.int32))
         cfg_m = model.config
-        self._router_totals = jax.device_put(
-            np.zeros((len(cfg_m.moe_layers), cfg_m.num_experts if cfg_m.moe_layers else 0), np.int32),
-            self.replicated)
+        self._router_host = np.zeros((len(cfg_m.moe_layers), cfg_m.num_experts if cfg_m.moe_layers else 0), np.int32)
+        self._router_totals = self._put(self._router_host)
         self._router_fetch = None  # a past totals array whose copy to the host is in flight
-        self._router_host = np.asarray(self._router_totals)
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up(progress)
@@ -290,11 +290,12 @@ class ModelRunner:
         step: never waits for the device (the totals of a past step are copied to the host in the background,
         and the newest copy that has arrived is returned)."""
         if self._router_fetch is not None and self._router_fetch.is_ready():
-            self._router_host = np.asarray(self._router_fetch)
+            self._router_host = multihost.host_view(self._router_fetch)
             self._router_fetch = None
         if self._router_fetch is None:
             self._router_fetch = self._router_totals
-            self._router_fetch.copy_to_host_async()
+            if self._router_fetch.is_fully_addressable:
+                self._router_fetch.copy_to_host_async()
         return self._router_host
 
     def _plan_pools(self) -> PoolPlan:
@@ -319,6 +320,9 @@ class ModelRunner:
         limit = stats.get("bytes_limit", 0)
         in_use = stats.get("bytes_in_use", 0)
         budget = int(limit * self.config.gpu_memory_utilization) - in_use - self.config.activation_reserve_bytes
+        if self.multihost:  # every process must size its pools identically: the smallest budget wins
+            from jax.experimental import multihost_utils
+            budget = int(np.min(multihost_utils.process_allgather(np.array([budget], np.int64))))
         if budget <= 0:
             raise ValueError(f"no device memory left for the cache pools (limit {limit} B, in use {in_use} B, "
                              f"reserve {self.config.activation_reserve_bytes} B); set memory_budget_bytes")
@@ -386,8 +390,9 @@ class ModelRunner:
             self._buffers[key[:4]].reset()
             optional = tuple(self._neutral_sampling(seqs)[name] for name in OPTIONAL_SAMPLING)
             try:
-                sampled, _, self.cache, _ = step(self.params, self.cache, self._buffers[key[:4]].take(), optional,
-                                                 self._tokens, self._router_totals)
+                words = self._buffers[key[:4]].take()
+                sampled, _, self.cache, _ = step(self.params, self.cache, self._put(words) if self.multihost else words,
+                                                 optional, self._tokens, self._router_totals)
                 jax.block_until_ready((sampled, self.cache))
             except jax.errors.JaxRuntimeError as err:
                 kind = "decode" + (" (greedy)" if greedy_only else "") if decode_only else "mixed"
@@ -432,18 +437,74 @@ class ModelRunner:
         shape = (step.num_tokens, step.num_seqs, step.block_tables.shape[1], step.decode_only)
         greedy_only = step.decode_only and not any(map(bool, (batch.use_sampling, batch.use_bitmask,
                                                               batch.use_penalties, batch.want_top_logprobs)))
+        key = (*shape, greedy_only)
+        words = self._buffers[shape].take()
+        if self.multihost:  # the followers replay this launch (serve.engine.multihost)
+            mask = sum(1 << i for i, a in enumerate(optional) if isinstance(a, np.ndarray))
+            multihost.announce(multihost.STEP, (*shape[:3], int(shape[3]), int(greedy_only), mask),
+                               (words, tuple(a for a in optional if isinstance(a, np.ndarray))))
+        sampled = self.launch_step(key, words, optional)
+        return StepHandle(sampled, len(out.sequences), with_logprobs)
+
+    def launch_step(self, key: tuple, words: np.ndarray, optional: tuple) -> SampledTokens:
+        """Launch the compiled step ``key`` on a packed word buffer and the optional sampling arrays."""
         # Host arrays (the word buffer; penalty or grammar arrays when a row uses them) go to the executable as
         # numpy: its C++ argument path transfers them. jax.device_put first cost ~160 us of host time per step
-        # here against ~6 us; the neutral optional arrays already live on the device.
-        inputs = (self._buffers[shape].take(), optional)
-        key = (*shape, greedy_only)
+        # here against ~6 us; the neutral optional arrays already live on the device. Several processes: every
+        # host array becomes a replicated global array first (each process places its identical copy).
+        if self.multihost:
+            words = self._put(words)
+            optional = tuple(self._put(a) if isinstance(a, np.ndarray) else a for a in optional)
         self.launch_counts[key] += 1
-        self._last_launch = (self._steps[key], (*inputs, self._tokens, self._router_totals))
+        self._last_launch = (self._steps[key], (words, optional, self._tokens, self._router_totals))
         start = time.perf_counter()
         sampled, self._tokens, self.cache, self._router_totals = self._last_launch[0](self.params, self.cache,
                                                                                        *self._last_launch[1])
         self.last_call_seconds = time.perf_counter() - start
-        return StepHandle(sampled, len(out.sequences), with_logprobs)
+        return sampled
+
+    # ---- several hosts (serve.engine.multihost) ----
+    def _put(self, host: np.ndarray) -> jax.Array:
+        return place_array(host, self.replicated)
+
+    def step_payload_like(self, key: tuple, host_mask: int) -> tuple:
+        """Zero arrays shaped like a step's broadcast inputs (a follower's receive buffers)."""
+        neutral = self._neutral_sampling(key[1])
+        host = tuple(np.zeros(neutral[name].shape, neutral[name].dtype) for i, name in enumerate(OPTIONAL_SAMPLING)
+                     if host_mask >> i & 1)
+        return np.zeros(self._buffers[key[:4]].layout.num_words, np.int32), host
+
+    def follower_step(self, key: tuple, words: np.ndarray, host_optional: tuple, host_mask: int) -> None:
+        neutral = self._neutral_sampling(key[1])
+        received = iter(host_optional)
+        optional = tuple(next(received) if host_mask >> i & 1 else neutral[name]
+                         for i, name in enumerate(OPTIONAL_SAMPLING))
+        self.launch_step(key, words, optional)
+
+    def copy_payload_like(self) -> tuple:
+        return np.zeros((2, COPY_CHUNK), np.int32), np.zeros((2, COPY_CHUNK), np.int32)
+
+    def poison_payload_like(self) -> tuple:
+        return np.zeros(COPY_CHUNK, np.int32), np.zeros(COPY_CHUNK, np.int32)
+
+    def launch_copy(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+        if self.multihost:
+            blocks, slots = self._put(blocks), self._put(slots)
+        self.cache = self._copy(self.cache, blocks, slots)
+
+    def launch_poison(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+        if self.multihost:
+            blocks, slots = self._put(blocks), self._put(slots)
+        self.cache = self._poison(self.cache, blocks, slots)
+
+    def follow(self) -> None:
+        """A follower process: replay process 0's launches until it calls :meth:`stop_followers`."""
+        multihost.follow(self)
+
+    def stop_followers(self) -> None:
+        """Process 0: end the followers' replay loops (at shutdown)."""
+        if self.multihost and jax.process_index() == 0:
+            multihost.announce(multihost.STOP)
 
     def time_step(self, repeats: int) -> float:
         """Device seconds per step of the last launched step, relaunched ``repeats`` times back to back with no
@@ -519,21 +580,33 @@ class ModelRunner:
         if n not in self._neutral:
             full = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
                                                  always_penalties=True, always_bitmask=True)
-            self._neutral[n] = {name: jax.device_put(getattr(full, name), self.replicated)
-                                for name in OPTIONAL_SAMPLING}
+            self._neutral[n] = {name: self._put(getattr(full, name)) for name in OPTIONAL_SAMPLING}
         return self._neutral[n]
 
     def _launch_copies(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
         for start in range(0, max(len(block_copies), len(slot_copies)), COPY_CHUNK):
             blocks = _pairs(block_copies[start:start + COPY_CHUNK])
             slots = _pairs(slot_copies[start:start + COPY_CHUNK])
-            self.cache = self._copy(self.cache, blocks, slots)
+            if self.multihost:
+                multihost.announce(multihost.COPY, payload=(blocks, slots))
+            self.launch_copy(blocks, slots)
 
     def _launch_poison(self, blocks: list[int], slots: list[int]) -> None:
         for start in range(0, max(len(blocks), len(slots)), COPY_CHUNK):
             b = _padded_ids(blocks[start:start + COPY_CHUNK], self.num_blocks)
             s = _padded_ids(slots[start:start + COPY_CHUNK], self.num_slots)
-            self.cache = self._poison(self.cache, b, s)
+            if self.multihost:
+                multihost.announce(multihost.POISON, payload=(b, s))
+            self.launch_poison(b, s)
+
+
+def _place_param(leaf, sharding: NamedSharding) -> jax.Array:
+    """A parameter on its target sharding (a no-op when the loader already put it there)."""
+    if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+        return leaf
+    if sharding.is_fully_addressable or not (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable):
+        return place_array(leaf, sharding)
+    return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
 
 
 def _pairs(copies: list[tuple[int, int]]) -> np.ndarray:
