@@ -234,6 +234,7 @@ class ModelRunner:
         self.multihost = multihost.is_multiprocess()
         self.parallel = parallel_for(self.mesh, expert_parallel=expert_parallel, capacity_factor=capacity_factor)
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
+        self.local_device = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
         width_shards = 1 if expert_parallel else self.shape.tensor_parallel
@@ -316,7 +317,7 @@ class ModelRunner:
 
     def _device_budget(self) -> int:
         """Bytes left for the pools on the first device after the weights: utilisation share minus reserve."""
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = self.local_device.memory_stats() or {}
         limit = stats.get("bytes_limit", 0)
         in_use = stats.get("bytes_in_use", 0)
         budget = int(limit * self.config.gpu_memory_utilization) - in_use - self.config.activation_reserve_bytes
@@ -403,7 +404,7 @@ class ModelRunner:
 
     def _check_step_memory(self) -> None:
         """Fail at start-up, not mid-serving, when a step's temporaries do not fit beside weights and pools."""
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = self.local_device.memory_stats() or {}
         if "bytes_limit" not in stats:
             return
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
