@@ -8,10 +8,11 @@ that replica's previous step, whose launch already queued its device work, so re
 while the host visits the others.
 
 Balancing: a new request goes to the replica with the fewest unfinished requests (running + waiting, counted by
-the front, so it is exact), except that a prompt whose leading pages (``AFFINITY_BLOCKS`` pages, the prefix
-cache's match unit) were last sent to replica r goes to r again while r has at most ``AFFINITY_SLACK`` more
-requests than the least loaded one: conversations that grow turn by turn, and prompts sharing a system prefix,
-then keep hitting one replica's prefix cache (the hash costs one ``hash()`` of a token tuple per request).
+the front, so it is exact), except that a prompt whose leading pages (the prefix cache's match unit) were last
+sent to replica r goes to r again while r has at most ``AFFINITY_SLACK`` more requests than the least loaded
+one: conversations that grow turn by turn, and prompts sharing a system prefix, then keep hitting one replica's
+prefix cache. The front remembers the hashes of the first 1 .. ``AFFINITY_BLOCKS`` pages of each prompt it
+routed and prefers the replica of the longest remembered one (a few ``hash()`` calls of token tuples per request).
 """
 
 from __future__ import annotations
@@ -63,23 +64,26 @@ class DataParallelEngine:
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.engines[0].validate_request(prompt_token_ids, params)
 
-    def _prefix_key(self, prompt: Sequence[int]) -> int:
+    def _prefix_keys(self, prompt: Sequence[int]) -> list[int]:
+        """Hashes of the prompt's first 1, 2, ... pages (up to AFFINITY_BLOCKS; a short prompt: itself)."""
         block = self.config.block_size
-        pages = max(1, min(AFFINITY_BLOCKS, len(prompt) // block))
-        return hash(tuple(int(t) for t in prompt[:pages * block]))
+        tokens = tuple(int(t) for t in prompt[:AFFINITY_BLOCKS * block])
+        pages = max(1, len(tokens) // block)
+        return [hash(tokens[:n * block]) for n in range(1, pages + 1)]
 
     def pick_replica(self, prompt: Sequence[int]) -> int:
         """The replica a new request with this prompt goes to (see the module docstring)."""
         loads = [len(a) for a in self._assigned]
         least = min(loads)
-        key = self._prefix_key(prompt)
-        cached = self._affinity.get(key)
+        keys = self._prefix_keys(prompt)
+        cached = next((self._affinity[k] for k in reversed(keys) if k in self._affinity), None)
         if cached is not None and loads[cached] <= least + AFFINITY_SLACK:
             choice = cached
         else:  # least loaded; ties go to the replica that has received fewest requests so far
             choice = min(range(len(loads)), key=lambda i: (loads[i], self.assignments[i], i))
-        self._affinity[key] = choice
-        self._affinity.move_to_end(key)
+        for key in keys:
+            self._affinity[key] = choice
+            self._affinity.move_to_end(key)
         while len(self._affinity) > AFFINITY_ENTRIES:
             self._affinity.popitem(last=False)
         return choice
