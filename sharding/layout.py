@@ -76,6 +76,11 @@ class ParallelConfig:
                          expert=self.data_parallel_size if self.joins_data_ranks else 1,
                          expert_parallel=self.enable_expert_parallel)
 
+    def label(self) -> str:
+        """``TP4 x DCP2``, ``2 x TP4`` for two replicas of TP4."""
+        replicas = f"{self.num_replicas} x " if self.num_replicas > 1 else ""
+        return replicas + self.replica_shape().label()
+
     def flags(self) -> str:
         """The command-line flags that give this layout."""
         parts = [f"--tensor-parallel-size {self.tensor_parallel_size}"]
@@ -136,17 +141,18 @@ def layout_problems(cfg: ModelConfig, pc: ParallelConfig) -> list[str]:
 
 def suggest_layouts(cfg: ModelConfig, num_devices: int, *, hbm_bytes: int | None = None, context_len: int = 4096,
                     batch: int = 1, weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                    memory_utilization: float = 0.9, limit: int = 6) -> list[ParallelConfig]:
-    """Layouts of at most ``num_devices`` devices that split the model exactly (and fit ``batch`` requests of
-    ``context_len`` tokens in ``hbm_bytes`` per device when given), fewest devices per replica first."""
+                    memory_utilization: float = 0.9, limit: int = 8) -> list[ParallelConfig]:
+    """Layouts using all ``num_devices`` devices that split the model exactly (and fit ``batch`` requests of
+    ``context_len`` tokens in ``hbm_bytes`` per device when given): the largest tensor-parallel group first, then
+    fewer DCP ranks, then without expert parallelism (its DP ranks join the expert group)."""
     from sharding.planner import plan_memory
 
     found = []
-    for t in [n for n in range(1, num_devices + 1) if num_devices % n == 0]:
+    for t in [n for n in range(num_devices, 0, -1) if num_devices % n == 0]:
         for d in [n for n in range(1, t + 1) if t % n == 0]:
             for ep in (False, True):
                 pc = ParallelConfig(tensor_parallel_size=t, decode_context_parallel_size=d, enable_expert_parallel=ep,
-                                    data_parallel_size=num_devices // t if not ep else 1)
+                                    data_parallel_size=num_devices // t)
                 if (ep and not cfg.moe_layers) or layout_problems(cfg, pc):
                     continue
                 if hbm_bytes is not None:
@@ -164,7 +170,7 @@ def _suggestion(cfg: ModelConfig, num_devices: int, **memory) -> str:
     if not fits:
         return f" No layout of {num_devices} devices fits this model."
     return (f" Layouts that fit {num_devices} devices (sharding.planner): "
-            + "; ".join(f"{pc.replica_shape().label()} ({pc.flags()})" for pc in fits) + ".")
+            + "; ".join(f"{pc.label()} ({pc.flags()})" for pc in fits) + ".")
 
 
 def validate_layout(cfg: ModelConfig, pc: ParallelConfig, *, num_devices: int, hbm_bytes: int | None = None,

@@ -374,7 +374,8 @@ class ModelRunner:
                 report(len(compiled), len(lowered))
         self._copy = compiled.pop("copy")
         self._poison = compiled.pop("poison", None)
-        self._steps = compiled
+        # in the order they were lowered, not finished: every process of a multi-host replica runs them in turn
+        self._steps = {key: compiled[key] for key in lowered if key in compiled}
         self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
         if self.on_gpu:
             self._check_step_memory()
