@@ -235,9 +235,9 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
 
 def _parallel_layout(path_or_preset: str, dtype, mesh, flags: dict):
     """The ``sharding.Parallel`` that ``load``'s flags (or ``mesh``) ask for, validated; None for one device."""
-    from sharding.layout import ParallelConfig, device_memory_bytes, init_distributed, replica_meshes, \
-        validate_layout
+    from sharding.layout import ParallelConfig, device_memory_bytes, init_distributed, replica_meshes
     from sharding.parallel import parallel_for
+    from sharding.planner import validate_layout
 
     pc = ParallelConfig(**flags)
     init_distributed(pc)

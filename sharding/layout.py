@@ -1,8 +1,9 @@
 """Parallelism flags as ``vllm serve`` spells them -> replica meshes, start-up validation, and multi-host start.
 
     pc = ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8)
-    shape = validate_layout(cfg, pc, num_devices=len(jax.devices()))   # ValueError naming the flag otherwise
-    meshes = replica_meshes(pc)                                         # one mesh per data-parallel replica
+    layout_problems(cfg, pc)               # dimensions the axes do not divide (empty: none)
+    meshes = replica_meshes(pc)            # one mesh per data-parallel replica
+    # start-up validation with memory and suggested layouts: sharding.planner.validate_layout
 
 Flag semantics (mirroring vLLM):
 * ``--tensor-parallel-size t``: the devices of one replica. Weights split over all t (KDA/MLA heads, FFN width,
@@ -29,6 +30,7 @@ from jax.sharding import Mesh
 
 from kimi_jax.config import ModelConfig
 from sharding.mesh import MeshShape, make_mesh
+from sharding.rules import fit_spec, param_spec, shard_factor
 
 SUBLAYERS = ("kda", "mla", "dense_mlp", "moe")
 """Parameter prefixes that run inside ``jax.shard_map`` (``sharding.Parallel``): their specs must split exactly."""
@@ -131,76 +133,28 @@ def layout_problems(cfg: ModelConfig, pc: ParallelConfig) -> list[str]:
                      "moe_intermediate_size / 32 (MXFP4 scale columns)" if cfg.experts_mxfp4 else
                      "moe_intermediate_size", tp)
     if not problems:  # catch-all: every sublayer parameter must split exactly as its rule asks
-        from sharding.planner import plan_memory
-        plan = plan_memory(cfg, shape, context_len=1, batch=1, weight_dtype="float32")
-        bad = [p for p in plan.replicated if p.split(".")[0] in SUBLAYERS]
+        bad = [path for path, (rule, fitted) in _fitted_rules(cfg, shape).items()
+               if path.split(".")[0] in SUBLAYERS and shard_factor(fitted, shape.sizes()) < shard_factor(
+                   rule, shape.sizes())]
         if bad:
             problems.append(f"parameters {bad} cannot be split exactly on {shape.label()}")
     return problems
 
 
-def suggest_layouts(cfg: ModelConfig, num_devices: int, *, hbm_bytes: int | None = None, context_len: int = 4096,
-                    batch: int = 1, weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                    memory_utilization: float = 0.9, limit: int = 8) -> list[ParallelConfig]:
-    """Layouts using all ``num_devices`` devices that split the model exactly (and fit ``batch`` requests of
-    ``context_len`` tokens in ``hbm_bytes`` per device when given): the largest tensor-parallel group first, then
-    fewer DCP ranks, then without expert parallelism (its DP ranks join the expert group)."""
-    from sharding.planner import plan_memory
+def _fitted_rules(cfg: ModelConfig, shape: MeshShape) -> dict[str, tuple]:
+    """Parameter path -> (its rule, the rule fitted to its shape on ``shape``), from the abstract model."""
+    import jax.numpy as jnp
+    from flax import nnx
 
-    found = []
-    for t in [n for n in range(num_devices, 0, -1) if num_devices % n == 0]:
-        for d in [n for n in range(1, t + 1) if t % n == 0]:
-            for ep in (False, True):
-                pc = ParallelConfig(tensor_parallel_size=t, decode_context_parallel_size=d, enable_expert_parallel=ep,
-                                    data_parallel_size=num_devices // t)
-                if (ep and not cfg.moe_layers) or layout_problems(cfg, pc):
-                    continue
-                if hbm_bytes is not None:
-                    plan = plan_memory(cfg, pc.replica_shape(), context_len=context_len, batch=batch,
-                                       weight_dtype=weight_dtype, kv_dtype=kv_dtype, hbm_bytes=hbm_bytes,
-                                       memory_utilization=memory_utilization)
-                    if not plan.fits:
-                        continue
-                found.append(pc)
-    return found[:limit]
+    from kimi_jax.model import KimiModel
+    from kimi_jax.weights.loader import param_leaves
 
-
-def _suggestion(cfg: ModelConfig, num_devices: int, **memory) -> str:
-    fits = suggest_layouts(cfg, num_devices, **memory)
-    if not fits:
-        return f" No layout of {num_devices} devices fits this model."
-    return (f" Layouts that fit {num_devices} devices (sharding.planner): "
-            + "; ".join(f"{pc.label()} ({pc.flags()})" for pc in fits) + ".")
-
-
-def validate_layout(cfg: ModelConfig, pc: ParallelConfig, *, num_devices: int, hbm_bytes: int | None = None,
-                    context_len: int | None = None, weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                    memory_utilization: float = 0.9) -> MeshShape:
-    """The replica mesh shape of ``pc``, or ValueError with the reason and the planner's suggested layouts.
-
-    Checks: the dimensions every axis splits (heads, experts, FFN widths, latent width), the device count
-    (``tensor x data <= num_devices``), and, with ``hbm_bytes``, that the weights and one request of
-    ``context_len`` tokens fit each device (``sharding.planner.plan_memory``)."""
-    memory = dict(hbm_bytes=hbm_bytes, context_len=context_len or 4096, weight_dtype=weight_dtype,
-                  kv_dtype=kv_dtype, memory_utilization=memory_utilization)
-    problems = layout_problems(cfg, pc)
-    if problems:
-        raise ValueError(f"{pc.flags()}: " + "; ".join(problems) + "." + _suggestion(cfg, num_devices, **memory))
-    if pc.num_devices > num_devices:
-        raise ValueError(f"{pc.flags()} needs {pc.num_devices} devices (tensor {pc.tensor_parallel_size} x data "
-                         f"{pc.data_parallel_size}), only {num_devices} are visible."
-                         + _suggestion(cfg, num_devices, **memory))
-    shape = pc.replica_shape()
-    if hbm_bytes is not None:
-        from sharding.planner import GiB, plan_memory
-        plan = plan_memory(cfg, shape, context_len=memory["context_len"], batch=1, weight_dtype=weight_dtype,
-                           kv_dtype=kv_dtype, hbm_bytes=hbm_bytes, memory_utilization=memory_utilization)
-        if not plan.fits:
-            raise ValueError(f"{pc.flags()}: the model does not fit {shape.label()} on devices of "
-                             f"{hbm_bytes / GiB:.0f} GiB: weights {plan.weights_per_device / GiB:.1f} GiB per device, "
-                             f"cache budget {plan.cache_budget / GiB:.1f} GiB for one request of "
-                             f"{memory['context_len']:,} tokens." + _suggestion(cfg, num_devices, **memory))
-    return shape
+    model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    out = {}
+    for path, var in param_leaves(model).items():
+        rule = param_spec(path, shape.expert_parallel)
+        out[path] = (rule, fit_spec(rule, tuple(var.shape), shape.sizes()))
+    return out
 
 
 def replica_meshes(pc: ParallelConfig, devices=None) -> list[Mesh]:

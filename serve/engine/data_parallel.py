@@ -153,8 +153,8 @@ def build_engine(model, *, tokenizer="auto", dtype="auto", seed: int = 0, impl: 
     from serve.engine.engine import _resolve_tokenizer
     from serve.engine.runner import ModelRunner
     from serve.progress import ProgressBar
-    from sharding.layout import ParallelConfig, device_memory_bytes, init_distributed, replica_meshes, \
-        validate_layout
+    from sharding.layout import ParallelConfig, device_memory_bytes, init_distributed, replica_meshes
+    from sharding.planner import validate_layout
 
     import jax
 
