@@ -91,3 +91,68 @@ def test_engine_on_parallel_layouts_equals_one_device():
     dp = result["DP2"]
     assert dp["replicas"] == 2 and dp["devices"] == [[0], [1]]
     assert sorted(dp["assignments"].values()) == [2, 2]  # four requests balanced over two replicas
+
+
+def test_pages_of_a_request_are_striped_over_the_dcp_ranks():
+    from serve.engine.block_pool import RefCountedPool
+    from serve.engine.mla_pages import MLAPages
+    from serve.engine.prefix_cache import PrefixCache
+    from serve.engine.request import Request
+    from serve.engine.sampling_params import SamplingParams
+
+    blocks = RefCountedPool(16, "block", group_size=4)  # 4 DCP ranks of 4 pages; page 0 (rank 0) is reserved
+    prefix = PrefixCache(4, blocks, RefCountedPool(4, "slot"), bytes_per_block=1, bytes_per_slot=1, eviction_alpha=1.0)
+    pages = MLAPages(blocks, 4, prefix)
+    request = Request("r", list(range(40)), SamplingParams(max_tokens=1), eos_token_ids=(), arrival_time=0.0)
+    pages.allocate(request, 40)  # 10 pages
+    assert [blocks.group_of(b) for b in request.block_table] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # page j: rank j % 4
+    assert blocks.num_free == 5 and len(set(request.block_table)) == 10
+    pages.allocate(request, 52)  # 3 more pages; rank 2 is asked for page 10 and has one left, then ranks run out
+    assert [blocks.group_of(b) for b in request.block_table[10:]] == [2, 3, 1]
+
+
+class _StubEngine:
+    """The LLMEngine surface the data-parallel front uses, with requests finishing when told."""
+
+    def __init__(self):
+        self.running, self.finished, self.config = {}, [], type("C", (), {"block_size": 4})()
+        self.tokenizer = self.model_config = self.runner = None
+        self.max_model_len = 64
+
+    def add_request(self, request_id, prompt, params=None, *, arrival_time=None):
+        self.running[request_id] = prompt
+
+    def has_unfinished_requests(self):
+        return bool(self.running) or bool(self.finished)
+
+    def step(self):
+        from serve.engine.outputs import RequestMetrics, RequestOutput
+
+        done, self.finished = self.finished, []
+        return [RequestOutput(r, [], [], True, RequestMetrics(0.0)) for r in done]
+
+    def finish(self, request_id):
+        del self.running[request_id]
+        self.finished.append(request_id)
+
+
+def test_data_parallel_front_balances_by_load_and_keeps_prefixes_together():
+    from serve.engine.data_parallel import DataParallelEngine
+
+    a, b = _StubEngine(), _StubEngine()
+    front = DataParallelEngine([a, b])
+    system = [7] * 8  # two pages shared by a conversation's turns
+    front.add_request("c1", system + [1, 2, 3, 4])
+    front.add_request("x", [9] * 12)
+    assert set(a.running) == {"c1"} and set(b.running) == {"x"}  # least loaded
+    front.add_request("c2", system + [5, 6, 7, 8, 9])
+    assert "c2" in a.running  # same leading pages: the replica whose prefix cache holds them
+    front.add_request("c3", system + [1])
+    front.add_request("c4", system + [2])
+    front.add_request("c5", system + [3])
+    assert "c5" in b.running  # replica a is AFFINITY_SLACK + 1 requests ahead: balance wins
+    for request_id in list(a.running):
+        a.finish(request_id)
+    assert {o.request_id for o in front.step()} == {"c1", "c2", "c3", "c4"}
+    front.add_request("y", [4] * 12)
+    assert "y" in a.running  # a is idle again
