@@ -139,3 +139,28 @@ def test_a_missing_psum_a_wrong_merge_or_a_wrong_expert_permutation_fails_the_co
     assert len(result) == 3
     for case, error in result.items():
         assert error > 100 * TOLERANCE, (case, error)
+
+
+def test_decode_layouts_experiment_runs_on_simulated_devices(tmp_path):
+    """The 2-GPU experiment's script end to end on 8 CPU devices (its timings mean nothing here)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.sharding_cases import K3_TINY, ROOT, subprocess_env
+
+    (tmp_path / "config.json").write_text(json.dumps(K3_TINY.to_hub_dict()))
+    out = tmp_path / "layouts.json"
+    run = subprocess.run([sys.executable, "-m", "sharding.experiments.decode_layouts", "--model", str(tmp_path),
+                          "--layouts", "TP2,EP2,DCP2", "--batch", "2", "--context", "12", "--steps", "2",
+                          "--trace-steps", "1", "--check-tokens", "2", "--trace-dir", str(tmp_path / "trace"),
+                          "--out", str(out)], cwd=ROOT, env=subprocess_env(8), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["layout"] for r in results] == ["TP2", "EP2", "DCP2"]
+    for r in results:
+        assert r["tokens_equal_to_first"] and r["max_logit_diff"] < TOLERANCE and r["step_ms"] > 0
+        assert r["collective_ms"] is not None and 0 < r["collective_share"] < 1
+    assert results[0]["collectives_per_step"]["all-reduce"]["count"] > 0  # the row-parallel psums
+    assert results[1]["collectives_per_step"]["all-to-all"]["count"] >= 3  # dispatch, expert ids, combine
