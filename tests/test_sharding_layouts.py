@@ -90,7 +90,7 @@ if which == "reference":
 elif which == "pallas":  # interpret mode; the kernels under shard_map with per-shard shapes
     cfg = MODELS["k3"]
     want = run(cfg, "pallas", decodes=1)
-    for label, layout in (("TP2", dict(tensor=2)), ("DCP2", dict(dcp=2)), ("EP2", dict(expert=2))):
+    for label, layout in (("TP2", dict(tensor=2)), ("DCP2", dict(dcp=2))):
         err, same = compare(run(cfg, "pallas", layout, decodes=1), want)
         result[f"k3 {label}"] = dict(error=err, tokens_equal=same)
 else:  # negative controls: each breaks one piece and must be caught
@@ -129,7 +129,7 @@ def test_every_layout_gives_the_one_device_logits_and_tokens():
 
 def test_pallas_kernels_under_shard_map_give_the_one_device_logits():
     result = run_script(SCRIPT, args=("pallas",), timeout=1800)
-    assert set(result) == {"k3 TP2", "k3 DCP2", "k3 EP2"}
+    assert set(result) == {"k3 TP2", "k3 DCP2"}  # TP2: KDA chunk + decode, MLA, MXFP4 grouped kernels per shard
     for case, r in result.items():
         assert r["error"] <= TOLERANCE and r["tokens_equal"], (case, r)
 

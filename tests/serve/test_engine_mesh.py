@@ -42,7 +42,6 @@ want, _, one = run()
 result = {"one device": dict(router_tokens=sum(one.router_expert_tokens), prefix_hits=one.prefix_cache_hits)}
 for name, flags in {"TP2": dict(tensor_parallel_size=2),
                     "TP2 DCP2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
-                    "TEP2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
                     "DP2": dict(data_parallel_size=2)}.items():
     got, engine, stats = run(**flags)
     runners = [e.runner for e in getattr(engine, "engines", [engine])]
@@ -87,7 +86,6 @@ def test_engine_on_parallel_layouts_equals_one_device():
     assert dcp["label"] == "TP2 x DCP2" and dcp["groups"] == 2  # --tensor-parallel-size 2 = tensor 1 x dcp 2
     assert dcp["mla_shard"] == [dcp["mla"][0], dcp["mla"][1] // 2] + dcp["mla"][2:]  # pages split over dcp
     assert dcp["group_size"] == dcp["mla"][1] // 2
-    assert result["TEP2"]["label"] == "TEP2"
     dp = result["DP2"]
     assert dp["replicas"] == 2 and dp["devices"] == [[0], [1]]
     assert sorted(dp["assignments"].values()) == [2, 2]  # four requests balanced over two replicas
