@@ -49,7 +49,8 @@ for name, flags in {"TP2": dict(tensor_parallel_size=2),
     entry = dict(equal=got == want, label=r.shape.label(), devices=[sorted(d.id for d in x.mesh.devices.flat)
                                                                   for x in runners],
                  prefix_hits=stats.prefix_cache_hits, router_tokens=sum(stats.router_expert_tokens),
-                 generated=stats.generation_tokens, prompt=stats.prompt_tokens, replicas=stats.num_replicas)
+                 generated=stats.generation_tokens, prompt=stats.prompt_tokens, replicas=stats.num_replicas,
+                 num_blocks=r.num_blocks, num_slots=r.num_slots)
     if "DCP2" in name:
         pool = engine.scheduler.cache.pages.pool
         entry.update(group_size=r.page_group_size, groups=pool.groups,
@@ -86,6 +87,8 @@ def test_engine_on_parallel_layouts_equals_one_device():
     assert dcp["label"] == "TP2 x DCP2" and dcp["groups"] == 2  # --tensor-parallel-size 2 = tensor 1 x dcp 2
     assert dcp["mla_shard"] == [dcp["mla"][0], dcp["mla"][1] // 2] + dcp["mla"][2:]  # pages split over dcp
     assert dcp["group_size"] == dcp["mla"][1] // 2
+    # the same per-device budget holds twice the pages when each device keeps half of every page's id range
+    assert dcp["num_slots"] == tp["num_slots"] and abs(dcp["num_blocks"] / tp["num_blocks"] - 2) < 0.01
     dp = result["DP2"]
     assert dp["replicas"] == 2 and dp["devices"] == [[0], [1]]
     assert sorted(dp["assignments"].values()) == [2, 2]  # four requests balanced over two replicas
