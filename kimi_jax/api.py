@@ -25,17 +25,21 @@ BLOCK_SIZE = 16
 
 
 class KimiLM:
-    """A loaded model plus jitted helpers. ``model`` is the nnx module; ``config`` its ModelConfig."""
+    """A loaded model plus jitted helpers. ``model`` is the nnx module; ``config`` its ModelConfig.
 
-    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed"):
+    ``parallel``: the ``sharding.Parallel`` of the mesh the parameters are placed on (``kimi_jax.load`` with
+    parallelism flags), or None for one device; caches from :meth:`new_cache` are then placed on it too."""
+
+    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed", parallel=None):
         self.model = model
         self.config: ModelConfig = model.config
         self.impl = impl
+        self.parallel = parallel
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         self._state = state
-        self._step = jax.jit(functools.partial(_run_step, graphdef, impl=impl, mla_form=mla_form),
-                             donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_run_step, graphdef, impl=impl, mla_form=mla_form,
+                                               parallel=parallel), donate_argnums=(1,))
 
     @property
     def dtype(self):
@@ -44,8 +48,14 @@ class KimiLM:
     def new_cache(self, num_seqs: int, max_len: int) -> HybridCache:
         """Zeroed pools for ``num_seqs`` sequences of up to ``max_len`` tokens (block 0 / slot 0 reserved)."""
         pages = -(-max_len // BLOCK_SIZE)
-        return init_cache(self.config, num_blocks=1 + num_seqs * pages, block_size=BLOCK_SIZE,
-                          num_slots=1 + num_seqs, dtype=self.dtype)
+        if self.parallel is None:
+            return init_cache(self.config, num_blocks=1 + num_seqs * pages, block_size=BLOCK_SIZE,
+                              num_slots=1 + num_seqs, dtype=self.dtype)
+        from sharding.place import zero_cache
+
+        dcp = self.parallel.dcp
+        return zero_cache(self.config, self.parallel.mesh, num_blocks=-(-(1 + num_seqs * pages) // dcp) * dcp,
+                          block_size=BLOCK_SIZE, num_slots=1 + num_seqs, dtype=self.dtype)
 
     def step(self, cache: HybridCache, step: StepInputs) -> tuple[jax.Array, HybridCache]:
         """One packed step: -> (fp32 logits of ``step.logits_indices`` [M, vocab], new cache). Donates ``cache``.
@@ -133,9 +143,9 @@ def pad_step(step: StepInputs) -> StepInputs:
         decode_only=step.decode_only, verify_len=step.verify_len)
 
 
-def _run_step(graphdef, state, cache, step, *, impl, mla_form):
+def _run_step(graphdef, state, cache, step, *, impl, mla_form, parallel):
     model = nnx.merge(graphdef, state)
-    hidden, cache = forward(model, cache, step, impl=impl, mla_form=mla_form)
+    hidden, cache = forward(model, cache, step, impl=impl, mla_form=mla_form, parallel=parallel)
     return compute_logits(model, hidden), cache
 
 
@@ -184,24 +194,72 @@ def _dtype(dtype) -> jnp.dtype:
 
 
 def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | None = None,
-         progress: Callable[[int, int], None] | None = None) -> KimiLM:
+         progress: Callable[[int, int], None] | None = None, tensor_parallel_size: int = 1,
+         decode_context_parallel_size: int = 1, enable_expert_parallel: bool = False, data_parallel_size: int = 1,
+         num_hosts: int | None = None, host_rank: int | None = None, coordinator_address: str | None = None,
+         mesh=None) -> KimiLM:
     """Load a checkpoint folder (hub layout) or build a preset (random weights unless the package ships them).
 
     ``dtype`` is the parameter/activation dtype (fp32 islands stay fp32); ``progress(done, total)`` is called
-    after each stacked parameter is filled from the checkpoint (e.g. a tqdm bar)."""
+    after each stacked parameter is filled from the checkpoint (e.g. a tqdm bar).
+
+    Parallelism (the flags of ``vllm serve``; ``sharding.layout`` documents them): ``tensor_parallel_size``,
+    ``decode_context_parallel_size``, ``enable_expert_parallel``, and ``data_parallel_size`` only together with
+    ``enable_expert_parallel`` (the DP ranks join the expert group; independent replicas are ``kimi_jax.LLM``'s);
+    ``num_hosts`` / ``host_rank`` / ``coordinator_address`` start ``jax.distributed`` first. Or pass a ``mesh``
+    from ``sharding.make_mesh``. A layout the model or the devices cannot take raises ValueError with the reason
+    and the planner's suggested layouts. A checkpoint is read shard by shard onto its devices."""
     from kimi_jax.weights.loader import load_into
 
     dt = _dtype(dtype)
+    parallel = _parallel_layout(path_or_preset, dt, mesh, dict(
+        tensor_parallel_size=tensor_parallel_size, decode_context_parallel_size=decode_context_parallel_size,
+        enable_expert_parallel=enable_expert_parallel, data_parallel_size=data_parallel_size, num_hosts=num_hosts,
+        host_rank=host_rank, coordinator_address=coordinator_address))
     if os.path.isdir(path_or_preset):
         cfg = ModelConfig.from_json_file(os.path.join(path_or_preset, "config.json"))
         model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed)))  # shapes only, no init
-        return KimiLM(load_into(model, path_or_preset, progress=progress), impl=impl)
+        layout = None if parallel is None else (parallel.mesh, parallel.shape.expert_parallel)
+        return KimiLM(load_into(model, path_or_preset, progress=progress, layout=layout), impl=impl,
+                      parallel=parallel)
     if path_or_preset in PRESETS:
         shipped = shipped_checkpoint(path_or_preset)
         if shipped:
-            return load(shipped, dtype, seed=seed, impl=impl, progress=progress)
-        return KimiLM(KimiModel(get_preset(path_or_preset), dtype=dt, rngs=nnx.Rngs(seed)), impl=impl)
+            return load(shipped, dtype, seed=seed, impl=impl, progress=progress, mesh=mesh if parallel is None
+                        else parallel.mesh, enable_expert_parallel=enable_expert_parallel)
+        model = KimiModel(get_preset(path_or_preset), dtype=dt, rngs=nnx.Rngs(seed))
+        if parallel is not None:
+            from sharding.place import shard_params
+
+            shard_params(model, parallel.mesh, expert_parallel=parallel.shape.expert_parallel)
+        return KimiLM(model, impl=impl, parallel=parallel)
     raise ValueError(f"{path_or_preset!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
+
+
+def _parallel_layout(path_or_preset: str, dtype, mesh, flags: dict):
+    """The ``sharding.Parallel`` that ``load``'s flags (or ``mesh``) ask for, validated; None for one device."""
+    from sharding.layout import ParallelConfig, device_memory_bytes, init_distributed, replica_meshes
+    from sharding.parallel import parallel_for
+    from sharding.planner import validate_layout
+
+    pc = ParallelConfig(**flags)
+    init_distributed(pc)
+    if mesh is not None:
+        return parallel_for(mesh, expert_parallel=pc.enable_expert_parallel)
+    if pc.num_devices == 1:
+        return None
+    if pc.num_replicas > 1:
+        raise ValueError(f"kimi_jax.load builds one model; --data-parallel-size {pc.data_parallel_size} without "
+                         "--enable-expert-parallel means independent replicas: use kimi_jax.LLM or kimi-jax serve")
+    if os.path.isdir(path_or_preset):
+        cfg = ModelConfig.from_json_file(os.path.join(path_or_preset, "config.json"))
+    elif path_or_preset in PRESETS:
+        cfg = get_preset(path_or_preset)
+    else:
+        raise ValueError(f"{path_or_preset!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
+    validate_layout(cfg, pc, num_devices=jax.device_count(), hbm_bytes=device_memory_bytes(), context_len=1,
+                    weight_dtype=str(jnp.dtype(dtype)))
+    return parallel_for(replica_meshes(pc)[0], expert_parallel=pc.enable_expert_parallel)
 
 
 def shipped_checkpoint(preset: str) -> str | None:

@@ -32,7 +32,7 @@ from flax import nnx
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers.common import F32, constant, fan_in_normal, normal, rms_norm, stacked_linear
 from kimi_jax.layers.ffn import DenseMLPStack, dense_mlp
-from kimi_jax.layers.mla import MLAStack, latent, mla_layer, write_latents
+from kimi_jax.layers.mla import MLAStack, context_latent, mla_layer, write_latent
 from kimi_jax.step import StepInputs, TokenLayout, slot_mapping, token_layout
 from pallas_kernels.rmsnorm import total
 
@@ -151,8 +151,8 @@ def write_context(d: DSparkDrafter, pages: jax.Array, scales: jax.Array | None, 
     slots = slot_mapping(step, layout, pages.shape[2])
     lc = d.layer_config
     for layer in range(d.config.num_layers):
-        pages, scales = write_latents(pages, scales, latent(d.mla, layer, fused, lc, impl=impl), slots,
-                                      page_offset + layer)
+        pages, scales = write_latent(pages, scales, context_latent(d.mla, layer, fused, lc, impl=impl), slots,
+                                     page_offset + layer)
     return pages, scales
 
 

@@ -8,6 +8,8 @@ spec section 0.4 / 3), chosen by ``config.attn_res_block_size``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,6 +21,7 @@ from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
 from kimi_jax.step import HybridCache, StepInputs, token_layout
 from pallas_kernels.attnres import attnres_mix
+from pallas_kernels.impl import resolve_impl
 from pallas_kernels.rmsnorm import PartialSum, add_rms_norm, total
 
 NORM_KERNEL_MAX_ROWS = 256
@@ -89,17 +92,28 @@ class _Mixer:
 
 
 def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str | None = None,
-            mla_form: str = "absorbed", finite_pages: bool = True, taps: tuple[int, ...] = ()):
-    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache), and
-    with ``taps`` a third result ``[len(taps), T, D]`` f32: every row's residual stream after each listed layer
-    (0-indexed; for AttnRes models the running partial sum of the block, what a DSpark drafter conditions on).
+            mla_form: str = "absorbed", finite_pages: bool = True, parallel=None, taps: tuple[int, ...] = (),
+            aux: dict | None = None) -> tuple[jax.Array, HybridCache]:
+    """One packed ragged step: -> (final-normed hidden states of ``step.logits_indices`` [M, D], new cache).
 
     ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
     ("absorbed", "unabsorbed", or "auto" from the step's shapes: the same function; see kimi_jax.layers.mla);
     ``finite_pages``: the MLA pool holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode;
-    see ``mla_layer``). Pages of MLA layers beyond the model's own (a drafter's) are carried through untouched."""
+    see ``mla_layer``). Pages of MLA layers beyond the model's own (a drafter's) are carried through untouched.
+
+    ``parallel``: None (one device, or GSPMD partitioning from the parameter placements with pure-XLA ops), or a
+    ``sharding.Parallel`` whose ``kda`` / ``mla`` / ``dense_mlp`` / ``moe`` / ``replicated`` methods run each
+    sublayer inside ``jax.shard_map`` with per-shard shapes and explicit collectives (tensor, expert and decode
+    context parallelism; the only way the Pallas kernels run on a multi-device mesh). Embeddings, norms and
+    AttnRes stay replicated XLA between the sublayers.
+
+    ``aux``: a dict that receives ``"router_counts"``, int32 [L_moe, E]: the (token, choice) pairs each expert got
+    in each MoE layer, real rows only (router load statistics); with ``taps`` also ``"taps"`` [len(taps), T, D]
+    f32: every row's residual stream after each listed layer (0-indexed; for AttnRes models the running partial
+    sum of the block, what a DSpark drafter conditions on)."""
     cfg = model.config
     layout = token_layout(step)
+    router_stats = [] if aux is not None and cfg.moe_layers else None
     x = model.embed[step.token_ids]
     kda_j, mla_j = _stack_index(cfg.kda_layers), _stack_index(cfg.mla_layers)
     dense_j, moe_j = _stack_index(cfg.dense_layers), _stack_index(cfg.moe_layers)
@@ -109,21 +123,27 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     bad = [i for i in taps if not 0 <= i < cfg.num_layers]
     if bad:
         raise ValueError(f"taps {bad} are not layers of this {cfg.num_layers}-layer model")
+    if taps and aux is None:
+        raise ValueError("taps need an aux dict to return them in")
     tapped: dict[int, jax.Array] = {}
 
     def attention(i: int, h: jax.Array) -> jax.Array | PartialSum:
         nonlocal state, conv, pages, scales
+        kda_fn = kda_layer if parallel is None else parallel.kda
+        mla_fn = mla_layer if parallel is None else parallel.mla
         if cfg.layer_types[i] == "kda":
-            out, state, conv = kda_layer(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
+            out, state, conv = kda_fn(model.kda, kda_j[i], h, state, conv, step, layout, cfg, impl=impl)
             return out
-        out, pages, scales = mla_layer(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
-                                       form=mla_form, finite_pages=finite_pages)
+        out, pages, scales = mla_fn(model.mla, mla_j[i], h, pages, scales, step, layout, cfg, impl=impl,
+                                    form=mla_form, finite_pages=finite_pages)
         return out
 
     def ffn(i: int, h: jax.Array) -> jax.Array | PartialSum:
         if cfg.mlp_types[i] == "dense":
-            return dense_mlp(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
-        return moe(model.moe, moe_j[i], h, cfg, impl=impl)
+            dense_fn = dense_mlp if parallel is None else parallel.dense_mlp
+            return dense_fn(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
+        moe_fn = moe if parallel is None else parallel.moe
+        return moe_fn(model.moe, moe_j[i], h, cfg, impl=impl, stats=router_stats, valid=layout.valid)
 
     if cfg.uses_attnres:
         ar = model.attn_res
@@ -149,7 +169,11 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
         norm_impl = impl if x.shape[0] <= NORM_KERNEL_MAX_ROWS else "reference"
 
         def add_norm(x, delta, weight, layer=None):  # the stacked norms' rows are read in place (no slice copy)
-            return add_rms_norm(x, delta, weight, eps=cfg.rms_norm_eps, layer=layer, impl=norm_impl)
+            fn = functools.partial(add_rms_norm, eps=cfg.rms_norm_eps, layer=layer, impl=norm_impl)
+            if parallel is not None and resolve_impl(norm_impl) == "pallas":
+                # a Pallas kernel on replicated rows runs per device inside shard_map, never under GSPMD
+                return parallel.replicated(fn, x, delta, weight)
+            return fn(x, delta, weight)
 
         x, h = add_norm(x, None, model.input_norm[...], 0)
         for i in range(cfg.num_layers):
@@ -159,10 +183,11 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             if i in taps:
                 tapped[i] = x.astype(F32)
         hidden = h[step.logits_indices]
-    cache = HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
+    if router_stats is not None:
+        aux["router_counts"] = jnp.stack(router_stats)
     if taps:
-        return hidden, cache, jnp.stack([tapped[i] for i in taps])
-    return hidden, cache
+        aux["taps"] = jnp.stack([tapped[i] for i in taps])
+    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
 
 
 def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:
@@ -171,14 +196,15 @@ def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w, preferred_element_type=F32)
 
 
-def use_serving_byte_order(model: KimiModel, order: str, *, fast_kernels: bool) -> str:
+def use_serving_byte_order(model: KimiModel, order: str, *, fast_kernels: bool, width_shards: int = 1) -> str:
     """Re-lay the routed MXFP4 experts in place into the byte order they are served in and return it.
 
     ``order``: "checkpoint" (unchanged), "pairs", "words", or "auto" (the word order when ``fast_kernels``, i.e.
     Pallas on a GPU, and every expert input width allows it; else pair halves; else the checkpoint order). A model
-    without MXFP4 experts, or already in that order, is left as it is."""
+    without MXFP4 experts, or already in that order, is left as it is. ``width_shards``: tensor-parallel ranks each
+    expert's FFN width is split over (see ``serving_byte_order``)."""
     stack = getattr(model, "moe", None)
-    order = serving_byte_order(stack, order, fast_kernels)
+    order = serving_byte_order(stack, order, fast_kernels, width_shards)
     if order != "checkpoint" and getattr(stack, f"w1_{order}", None) is None:
         use_byte_order(stack, order)
     return order

@@ -67,17 +67,39 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
 
 def _serve(args: argparse.Namespace) -> int:
     from serve.engine.async_engine import AsyncEngine
-    from serve.engine.engine import LLMEngine
+    from serve.engine.data_parallel import build_engine
     from serve.openai.cli_args import run_server
+    from sharding.layout import ParallelConfig, init_distributed
 
     start = time.perf_counter()
+    try:
+        parallel = ParallelConfig.of(args)
+        init_distributed(parallel)  # before anything else touches a JAX backend
+    except ValueError as e:
+        raise SystemExit(f"kimi-jax serve: {e}") from None
+    import jax
+
+    leader = jax.process_index() == 0
     print(f"[kimi-jax] loading {args.model} and compiling the step buckets ...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, seed=args.seed, progress=True,
-                                       **engine_args_from_cli(args))
+    try:
+        engine = build_engine(args.model, dtype=args.dtype, seed=args.seed, progress=leader, parallel=parallel,
+                              capacity_factor=args.expert_capacity_factor, **engine_args_from_cli(args))
+    except ValueError as e:  # an impossible layout: the reason and the planner's suggestions
+        raise SystemExit(f"kimi-jax serve: {e}") from None
     runner = engine.runner
-    print(f"[kimi-jax] ready in {time.perf_counter() - start:.1f}s: {runner.num_executables} executables "
-          f"compiled in {runner.warm_up_seconds:.1f}s; {runner.plan.describe()}", file=sys.stderr, flush=True)
-    run_server(args, AsyncEngine(engine))
+    if not leader:  # another host of a multi-host replica: replay host 0's launches until it stops
+        print(f"[kimi-jax] host {jax.process_index()} ready, following host 0", file=sys.stderr, flush=True)
+        runner.follow()
+        return 0
+    replicas = getattr(engine, "num_replicas", 1)
+    print(f"[kimi-jax] ready in {time.perf_counter() - start:.1f}s: {runner.shape.label()} on "
+          f"{runner.mesh.size} device(s) x {replicas} replica(s), {jax.process_count()} host(s); "
+          f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s; "
+          f"{runner.plan.describe()}", file=sys.stderr, flush=True)
+    try:
+        run_server(args, AsyncEngine(engine))
+    finally:
+        runner.stop_followers()
     return 0
 
 

@@ -1,32 +1,46 @@
-"""Meshes, partition rules by parameter path, parameter/cache placement, and the memory planner.
+"""Meshes, partition rules by parameter path, shard_map pieces, layouts from vLLM's flags, and the memory planner.
 
-    mesh = sharding.make_mesh(tensor=4, expert=2)          # axes ("data", "tensor", "expert", "dcp")
-    sharding.shard_params(lm.model, mesh)                  # NamedSharding per rule; GSPMD partitions the forward
-    print(sharding.plan_memory(get_preset("k3"), MeshShape(tensor=16), context_len=131072, batch=4).table())
+    pc = ParallelConfig(tensor_parallel_size=8, decode_context_parallel_size=8)    # the flags of `vllm serve`
+    shape = validate_layout(cfg, pc, num_devices=8, hbm_bytes=...)                 # refused with suggestions
+    mesh = replica_meshes(pc)[0]                                                   # ("data", "tensor", "expert", "dcp")
+    shard_params(model, mesh)                                                      # NamedSharding per rule
+    hidden, cache = forward(model, cache, step, parallel=Parallel(mesh))           # sublayers in jax.shard_map
+    python -m sharding.planner --model k3 --gpus 16 --context 131072               # which layouts fit
 
-What is done: the mesh, the rules (tensor-parallel projections over ``tensor x dcp``, experts over ``expert``,
-vocabulary-parallel embeddings, MLA pages over ``dcp``, KDA state over heads), placement of an nnx model's
-parameters and of the hybrid cache, and a planner that counts bytes from the real parameter shapes under those
-rules. With ``impl="reference"`` the forward is plain XLA and the sharded model gives the unsharded logits
-(tests/test_sharding.py, 8 fake CPU devices).
+* ``mesh``: the four axes and ``MeshShape`` (``expert_parallel``: experts over the whole replica).
+* ``rules``: parameter path -> PartitionSpec (TP over ``tensor x dcp``, experts over ``expert`` or the whole
+  replica, vocabulary-parallel embeddings), cache specs (MLA pages over ``dcp``, KDA state over heads).
+* ``place``: parameters and pools onto a mesh (the KDA conv re-laid rank-major for the shard_map path).
+* ``parallel``: ``Parallel``, every sublayer inside ``jax.shard_map`` with per-shard shapes and explicit collectives,
+  for the Pallas kernels and the reference ops alike; ``dcp``: MLA decode context parallelism (per-rank partial
+  attention over the rank's pages, merged by log-sum-exp); ``moe_ep``: expert parallelism by all-to-all dispatch
+  and combine of latent-width rows.
+* ``layout``: ``ParallelConfig`` (the serve flags), the dimensions a layout must divide, replica meshes,
+  ``jax.distributed`` start.
+* ``planner``: per-device memory of a model on a layout and the cache capacity in tokens and requests; start-up
+  validation (``validate_layout``) with suggested layouts; the ``python -m sharding.planner`` CLI.
+* ``experiments/decode_layouts.py``: times a decode step per layout and its collectives.
 
-Not done yet:
-* ``jax.shard_map`` wrappers for the Pallas kernels (KDA, MLA, MXFP4, AttnRes). XLA cannot partition a Pallas
-  custom call, so with ``impl="pallas"`` on a multi-device mesh the kernels need per-shard wrappers. The KDA
-  conv state would then need a head-major channel layout: today's ``[q | k | v]`` channel axis is split into
-  equal contiguous pieces, which matches the per-head split in bytes but not in which channels a rank holds.
-* Expert parallelism as all-to-all dispatch/combine: GSPMD partitions ``ragged_dot`` over sharded experts by
-  gathering what it needs, which is correct but not the EP communication pattern.
-* DCP attention: per-rank partial attention over the rank's pages merged by log-sum-exp. With pages split over
-  ``dcp`` GSPMD gathers the pages a step reads instead.
-* Loading a checkpoint straight into shards (the loader fills whole stacked parameters on the host first),
-  data-parallel attention (requests split over ``expert`` ranks), multi-host meshes (``jax.distributed``).
+Without ``parallel`` the forward on placed parameters is partitioned by GSPMD (pure-XLA ops only).
 """
 
+from sharding.layout import ParallelConfig, layout_problems, replica_meshes
 from sharding.mesh import AXES, MeshShape, make_mesh
+from sharding.parallel import Parallel, parallel_for
 from sharding.place import param_specs, shard_cache, shard_params
-from sharding.planner import H200_HBM_BYTES, MemoryPlan, plan_memory, plans_table
 from sharding.rules import PARAM_RULES, TP, cache_specs, fit_spec, param_spec
 
-__all__ = ["AXES", "H200_HBM_BYTES", "MemoryPlan", "MeshShape", "PARAM_RULES", "TP", "cache_specs", "fit_spec",
-           "make_mesh", "param_spec", "param_specs", "plan_memory", "plans_table", "shard_cache", "shard_params"]
+__all__ = ["AXES", "H200_HBM_BYTES", "MemoryPlan", "MeshShape", "PARAM_RULES", "Parallel", "ParallelConfig", "TP",
+           "cache_specs", "fit_spec", "layout_problems", "make_mesh", "param_spec", "param_specs", "parallel_for",
+           "plan_memory", "plans_table", "replica_meshes", "shard_cache", "shard_params", "suggest_layouts",
+           "validate_layout"]
+
+_PLANNER = ("H200_HBM_BYTES", "MemoryPlan", "plan_memory", "plans_table", "suggest_layouts", "validate_layout")
+
+
+def __getattr__(name: str):
+    """The planner's names, imported on first use so that ``python -m sharding.planner`` runs it once, as main."""
+    if name in _PLANNER:
+        from sharding import planner
+        return getattr(planner, name)
+    raise AttributeError(f"module 'sharding' has no attribute {name!r}")

@@ -32,6 +32,9 @@ class MeshShape:
     tensor: int = 1
     expert: int = 1
     dcp: int = 1
+    expert_parallel: bool = False
+    """vLLM's ``--enable-expert-parallel``: routed experts split over every rank of a replica (``tensor x dcp x
+    expert``) instead of splitting each expert's FFN width over ``tensor x dcp`` (``sharding.rules.EP_ALL``)."""
 
     def __post_init__(self) -> None:
         bad = {a: s for a, s in self.sizes().items() if not (isinstance(s, int) and s >= 1)}
@@ -51,19 +54,35 @@ class MeshShape:
         """Ways each weight matrix is split: ``tensor x dcp``."""
         return self.tensor * self.dcp
 
+    @property
+    def replica_devices(self) -> int:
+        """Devices of one data-parallel replica: ``tensor x expert x dcp``."""
+        return self.tensor * self.expert * self.dcp
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks the routed experts are split over (E / this experts per rank)."""
+        return self.replica_devices if self.expert_parallel else self.expert
+
+    def replica(self) -> "MeshShape":
+        """The shape of one data-parallel replica (``data = 1``)."""
+        return dataclasses.replace(self, data=1)
+
     def label(self) -> str:
-        """Short name such as ``TP8 x DCP2`` (size-1 axes omitted; ``TP`` counts tensor x dcp ranks)."""
-        parts = [f"DP{self.data}" if self.data > 1 else "", f"TP{self.tensor_parallel}",
+        """Short name such as ``TP8 x DCP2`` (size-1 axes omitted; ``TP`` counts tensor x dcp ranks; ``TEP`` when
+        the experts are split over them too, the recipe's name for ``--enable-expert-parallel``)."""
+        tp = "TEP" if self.expert_parallel else "TP"
+        parts = [f"DP{self.data}" if self.data > 1 else "", f"{tp}{self.tensor_parallel}",
                  f"EP{self.expert}" if self.expert > 1 else "", f"DCP{self.dcp}" if self.dcp > 1 else ""]
         return " x ".join(p for p in parts if p)
 
     @classmethod
-    def of(cls, mesh: Mesh) -> "MeshShape":
+    def of(cls, mesh: Mesh, *, expert_parallel: bool = False) -> "MeshShape":
         """The shape of a mesh made by :func:`make_mesh`."""
         missing = [a for a in AXES if a not in mesh.shape]
         if missing:
             raise ValueError(f"mesh lacks axes {missing}; make it with sharding.make_mesh")
-        return cls(**{a: int(mesh.shape[a]) for a in AXES})
+        return cls(**{a: int(mesh.shape[a]) for a in AXES}, expert_parallel=expert_parallel)
 
 
 def make_mesh(shape: MeshShape | None = None, *, devices=None, axis_type: AxisType = AxisType.Auto,

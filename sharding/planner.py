@@ -1,5 +1,13 @@
 """Memory planner: per-device bytes of a model on a mesh, and how many requests / tokens the rest holds.
 
+    python -m sharding.planner --model k3 --gpus 8 --gpu-memory-gib 268 --context 120000
+    python -m sharding.planner --model k3 --gpus 16 --gpu-memory-gib 134 --context 131072 --batch 4 --json
+
+The CLI enumerates every layout of the GPUs (``--tensor-parallel-size`` t of them per replica, a DCP group
+dividing t, with and without ``--enable-expert-parallel``, the rest as data-parallel replicas), and prints which
+fit, the weights per device, and the cache capacity in tokens and in requests of ``--context`` tokens (KDA state
+included) for the whole deployment, largest capacity first.
+
 Weights are counted from the model's real parameter shapes (``nnx.eval_shape``, nothing allocated) with the
 partition rules applied (``sharding.rules``), so the plan and the placement can never disagree. The caches use
 the cache specs: KDA state split over heads on ``tensor x dcp``, MLA pages split over ``dcp`` (blocks striped
@@ -25,6 +33,7 @@ from kimi_jax.config import ModelConfig
 from kimi_jax.model import KimiModel
 from kimi_jax.step import init_cache
 from kimi_jax.weights.loader import param_leaves
+from sharding.layout import ParallelConfig, layout_problems
 from sharding.mesh import MeshShape
 from sharding.rules import fit_spec, fitted_cache_specs, param_spec, shard_factor
 
@@ -95,6 +104,11 @@ class MemoryPlan:
     def max_requests_on_mesh(self) -> int:
         return self.max_requests * self.mesh.data
 
+    @property
+    def kv_tokens_on_mesh(self) -> int:
+        """MLA cache capacity in tokens of all replicas after reserving ``batch`` KDA states per replica."""
+        return self.kv_tokens_at_batch * self.mesh.data
+
     def table(self) -> str:
         """A two-column text table of the plan."""
         m = self.mesh
@@ -111,7 +125,9 @@ class MemoryPlan:
                  (f"max requests at {self.context_len:,} tokens",
                   f"{self.max_requests:,} per replica, {self.max_requests_on_mesh:,} on the mesh"),
                  (f"max context at batch {self.batch}", f"{self.max_context_at_batch:,} tokens"),
-                 (f"MLA tokens per device at batch {self.batch}", f"{self.kv_tokens_at_batch:,}")]
+                 (f"MLA cache capacity at batch {self.batch}",
+                  f"{self.kv_tokens_at_batch:,} tokens per replica (each device holds 1/{m.dcp} of each), "
+                  f"{self.kv_tokens_on_mesh:,} on the mesh")]
         if self.replicated:
             rows.append(("split less than the rule asks", ", ".join(self.replicated)))
         width = max(len(k) for k, _ in rows)
@@ -158,7 +174,7 @@ def plan_memory(cfg: ModelConfig, mesh: MeshShape, *, context_len: int, batch: i
     for path, var in param_leaves(_abstract_model(cfg, weight_dtype)).items():
         shape = tuple(var.shape)
         nbytes = math.prod(shape) * jnp.dtype(var.dtype).itemsize
-        rule = param_spec(path)
+        rule = param_spec(path, mesh.expert_parallel)
         spec = fit_spec(rule, shape, sizes)
         if shard_factor(spec, sizes) < shard_factor(rule, sizes):
             replicated.append(path)
@@ -201,3 +217,155 @@ def plans_table(plans: list[MemoryPlan]) -> str:
     lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def layout_plans(cfg: ModelConfig, gpus: int, *, context_len: int, batch: int = 1, **plan_args) -> list[dict]:
+    """Every layout of ``gpus`` devices (see the module docstring): one dict per layout with its ``ParallelConfig``
+    (``layout``), its plan (``plan``, None when the model cannot be split so) and ``problems`` (why not)."""
+    rows = []
+    for t in [n for n in range(1, gpus + 1) if gpus % n == 0]:
+        for d in [n for n in range(1, t + 1) if t % n == 0]:
+            for ep in (False, True) if cfg.moe_layers else (False,):
+                pc = ParallelConfig(tensor_parallel_size=t, decode_context_parallel_size=d,
+                                    enable_expert_parallel=ep, data_parallel_size=gpus // t)
+                problems = layout_problems(cfg, pc)
+                shape = dataclasses.replace(pc.replica_shape(), data=pc.num_replicas)
+                plan = None if problems else plan_memory(cfg, shape, context_len=context_len, batch=batch,
+                                                         **plan_args)
+                rows.append(dict(layout=pc, plan=plan, problems=problems))
+    return sorted(rows, key=lambda r: (r["plan"] is None, not (r["plan"] and r["plan"].fits),
+                                       -(r["plan"].kv_tokens_on_mesh if r["plan"] else 0)))
+
+
+def layouts_table(rows: list[dict]) -> str:
+    head = ("layout", "flags", "fits", "weights/dev", "budget/dev", "KDA state/req", "MLA/token/dev",
+            "cache tokens", "requests @ ctx")
+    table = [head]
+    for r in rows:
+        pc, plan = r["layout"], r["plan"]
+        if plan is None:
+            table.append((pc.label(), pc.flags(), "no: " + r["problems"][0], "", "", "", "", "", ""))
+            continue
+        table.append((pc.label(), pc.flags(), "yes" if plan.fits else "no: memory", _gib(plan.weights_per_device),
+                      _gib(plan.cache_budget), f"{plan.kda_state_per_request / MiB:,.1f} MiB",
+                      f"{plan.mla_per_token:,} B", f"{plan.kv_tokens_on_mesh:,}", f"{plan.max_requests_on_mesh:,}"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def suggest_layouts(cfg: ModelConfig, num_devices: int, *, hbm_bytes: int | None = None, context_len: int = 4096,
+                    batch: int = 1, weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
+                    memory_utilization: float = 0.9, limit: int = 8) -> list[ParallelConfig]:
+    """Layouts using all ``num_devices`` devices that split the model exactly (and fit ``batch`` requests of
+    ``context_len`` tokens in ``hbm_bytes`` per device when given): the largest tensor-parallel group first, then
+    fewer DCP ranks, then without expert parallelism (its DP ranks join the expert group)."""
+    found = []
+    for t in [n for n in range(num_devices, 0, -1) if num_devices % n == 0]:
+        for d in [n for n in range(1, t + 1) if t % n == 0]:
+            for ep in (False, True):
+                pc = ParallelConfig(tensor_parallel_size=t, decode_context_parallel_size=d, enable_expert_parallel=ep,
+                                    data_parallel_size=num_devices // t)
+                if (ep and not cfg.moe_layers) or layout_problems(cfg, pc):
+                    continue
+                if hbm_bytes is not None:
+                    plan = plan_memory(cfg, pc.replica_shape(), context_len=context_len, batch=batch,
+                                       weight_dtype=weight_dtype, kv_dtype=kv_dtype, hbm_bytes=hbm_bytes,
+                                       memory_utilization=memory_utilization)
+                    if not plan.fits:
+                        continue
+                found.append(pc)
+    return found[:limit]
+
+
+def _suggestion(cfg: ModelConfig, num_devices: int, **memory) -> str:
+    fits = suggest_layouts(cfg, num_devices, **memory)
+    if not fits:
+        return f" No layout of {num_devices} devices fits this model."
+    return (f" Layouts that fit {num_devices} devices (sharding.planner): "
+            + "; ".join(f"{pc.label()} ({pc.flags()})" for pc in fits) + ".")
+
+
+def validate_layout(cfg: ModelConfig, pc: ParallelConfig, *, num_devices: int, hbm_bytes: int | None = None,
+                    context_len: int | None = None, weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
+                    memory_utilization: float = 0.9) -> MeshShape:
+    """The replica mesh shape of ``pc``, or ValueError with the reason and the planner's suggested layouts.
+
+    Checks: the dimensions every axis splits (heads, experts, FFN widths, latent width), the device count
+    (``tensor x data <= num_devices``), and, with ``hbm_bytes``, that the weights and one request of
+    ``context_len`` tokens fit each device (``sharding.planner.plan_memory``)."""
+    memory = dict(hbm_bytes=hbm_bytes, context_len=context_len or 4096, weight_dtype=weight_dtype,
+                  kv_dtype=kv_dtype, memory_utilization=memory_utilization)
+    problems = layout_problems(cfg, pc)
+    if problems:
+        raise ValueError(f"{pc.flags()}: " + "; ".join(problems) + "." + _suggestion(cfg, num_devices, **memory))
+    if pc.num_devices > num_devices:
+        raise ValueError(f"{pc.flags()} needs {pc.num_devices} devices (tensor {pc.tensor_parallel_size} x data "
+                         f"{pc.data_parallel_size}), only {num_devices} are visible."
+                         + _suggestion(cfg, num_devices, **memory))
+    shape = pc.replica_shape()
+    if hbm_bytes is not None:
+        plan = plan_memory(cfg, shape, context_len=memory["context_len"], batch=1, weight_dtype=weight_dtype,
+                           kv_dtype=kv_dtype, hbm_bytes=hbm_bytes, memory_utilization=memory_utilization)
+        if not plan.fits:
+            raise ValueError(f"{pc.flags()}: the model does not fit {pc.label()} on devices of "
+                             f"{hbm_bytes / GiB:.0f} GiB: weights {plan.weights_per_device / GiB:.1f} GiB per device, "
+                             f"cache budget {plan.cache_budget / GiB:.1f} GiB for one request of "
+                             f"{memory['context_len']:,} tokens." + _suggestion(cfg, num_devices, **memory))
+    return shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import os
+
+    from kimi_jax.presets import PRESETS, get_preset
+
+    parser = argparse.ArgumentParser(prog="python -m sharding.planner",
+                                     description="Which layouts of a model fit a set of GPUs, and what they hold.")
+    parser.add_argument("--model", default="k3", help=f"a preset ({', '.join(sorted(PRESETS))}) or a checkpoint "
+                                                      "folder with config.json")
+    parser.add_argument("--gpus", type=int, required=True, help="devices in the deployment")
+    parser.add_argument("--gpu-memory-gib", type=float, default=H200_HBM_BYTES / GiB,
+                        help="HBM per device in GiB (default: an H200's 140.4)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of HBM usable (vLLM's)")
+    parser.add_argument("--workspace-gib", type=float, default=4.0, help="activations and compiler scratch per device")
+    parser.add_argument("--context", type=int, default=131072, help="tokens per request (prompt + output)")
+    parser.add_argument("--batch", type=int, default=1, help="concurrent requests whose KDA state is reserved")
+    parser.add_argument("--weight-dtype", default="bfloat16", help="non-expert weights (MXFP4 experts stay packed)")
+    parser.add_argument("--kv-dtype", default="bfloat16", help="MLA cache dtype (float8_e4m3fn: fp8 pages)")
+    parser.add_argument("--state-dtype", default="float32", help="KDA recurrent state dtype")
+    parser.add_argument("--only-fitting", action="store_true", help="list only the layouts that fit")
+    parser.add_argument("--json", action="store_true", help="one JSON object per layout instead of a table")
+    args = parser.parse_args(argv)
+    if os.path.isdir(args.model):
+        cfg = ModelConfig.from_json_file(os.path.join(args.model, "config.json"))
+    else:
+        cfg = get_preset(args.model)
+    rows = layout_plans(cfg, args.gpus, context_len=args.context, batch=args.batch, model_name=args.model,
+                        weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype,
+                        hbm_bytes=int(args.gpu_memory_gib * GiB), memory_utilization=args.gpu_memory_utilization,
+                        workspace_bytes=int(args.workspace_gib * GiB))
+    if args.only_fitting:
+        rows = [r for r in rows if r["plan"] is not None and r["plan"].fits]
+    if args.json:
+        for r in rows:
+            plan = r["plan"]
+            print(json.dumps(dict(
+                layout=r["layout"].label(), flags=r["layout"].flags(), fits=bool(plan and plan.fits),
+                problems=r["problems"], weights_per_device=plan and plan.weights_per_device,
+                cache_budget_per_device=plan and plan.cache_budget,
+                kda_state_per_request=plan and plan.kda_state_per_request,
+                mla_bytes_per_token_per_device=plan and plan.mla_per_token,
+                cache_tokens=plan and plan.kv_tokens_on_mesh, requests_at_context=plan and plan.max_requests_on_mesh)))
+        return 0
+    print(f"{args.model} on {args.gpus} x {args.gpu_memory_gib:g} GiB at {args.gpu_memory_utilization:g} utilisation; "
+          f"requests of {args.context:,} tokens, KDA state reserved for {args.batch} per replica")
+    print(layouts_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

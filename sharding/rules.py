@@ -28,6 +28,7 @@ import math
 import re
 from collections.abc import Mapping
 
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax.step import HybridCache
@@ -79,12 +80,28 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 _COMPILED = tuple((re.compile(pattern), spec) for pattern, spec in PARAM_RULES)
 
 
-def param_spec(path: str) -> P:
+EP_ALL = ("tensor", "dcp", "expert")
+"""The expert-parallel group of routed experts under ``--enable-expert-parallel`` (vLLM's semantics: experts use
+EP over the whole tensor-parallel group, and the ``expert`` axis if any, instead of splitting each expert's width)."""
+_ROUTED = re.compile(r"moe\.w[123](_packed|_pairs|_words|_scale|_mgpu|_mgpu_scale)?")
+
+
+def is_routed_expert(path: str) -> bool:
+    """Whether ``path`` is a routed expert weight (``moe.w1``, ``moe.w2_packed``, ``moe.w3_mgpu_scale``, ...)."""
+    return _ROUTED.fullmatch(path) is not None
+
+
+def param_spec(path: str, expert_parallel: bool = False) -> P:
     """The PartitionSpec of a parameter path (``"kda.q_proj"``); the first fully matching rule wins.
+
+    ``expert_parallel``: routed experts split E over :data:`EP_ALL` and keep their FFN width whole (the rule's
+    ``expert`` entry becomes ``EP_ALL`` and its TP entries are dropped).
 
     Raises ValueError for a path no rule covers, so a new parameter is never replicated silently."""
     for pattern, spec in _COMPILED:
         if pattern.fullmatch(path):
+            if expert_parallel and is_routed_expert(path):
+                return P(*(EP_ALL if e == "expert" else None for e in spec))
             return spec
     raise ValueError(f"no partition rule for parameter {path!r}; add one to sharding.rules.PARAM_RULES")
 
@@ -131,3 +148,14 @@ def fitted_cache_specs(cache: HybridCache, sizes: Mapping[str, int]) -> HybridCa
     return HybridCache(**{name: fit_spec(getattr(specs, name), pool.shape, sizes)
                           for name, pool in cache.pools().items()})
 
+
+def conv_channel_order(cfg, tp: int) -> np.ndarray:
+    """Channel ``c`` of the rank-major conv layout for ``tp`` ranks holds channel ``order[c]`` of ``[q | k | v]``.
+
+    Identity for ``tp == 1``. Needs ``H * K`` and ``HV * V`` divisible by ``tp`` (whole heads per rank)."""
+    hk, hvv = cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_num_v_heads * cfg.kda_v_head_dim
+    if hk % tp or hvv % tp:
+        raise ValueError(f"KDA conv channels (q/k {hk}, v {hvv}) cannot be split over {tp} tensor-parallel ranks")
+    a, b = hk // tp, hvv // tp
+    return np.concatenate([np.concatenate([np.arange(r * a, (r + 1) * a), hk + np.arange(r * a, (r + 1) * a),
+                                           2 * hk + np.arange(r * b, (r + 1) * b)]) for r in range(tp)])

@@ -153,7 +153,7 @@ def test_mgpu_layout_experts_give_the_checkpoint_order_result(tokens, rng, monke
     ffn.use_mgpu_layout(stack)
     assert not hasattr(stack, "w1_packed") and not hasattr(stack, "w1_scale")
     assert stack.w2_mgpu[...].shape == (2, 16, 1, 64, 32) and stack.w2_mgpu_scale[...].shape == (2, 16, 2, 64)
-    assert ffn._row_path(tokens, cfg.num_experts_per_token, "pallas") == (tokens == 1)  # per-row or sorted rows
+    assert ffn.row_path(tokens, cfg.num_experts_per_token, "pallas") == (tokens == 1)  # per-row or sorted rows
     np.testing.assert_array_equal(np.asarray(moe(stack, 1, x, cfg, impl="reference"), np.float32), want)
     got = np.asarray(moe(stack, 1, x, cfg, impl="pallas"), np.float32)
     assert np.isfinite(got).all()

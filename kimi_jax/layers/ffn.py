@@ -141,22 +141,40 @@ REORDERS = {"pairs": (mxfp4.to_pair_halves, 2 * mxfp4.BLOCK), "words": (mxfp4.to
 divide): the pair-halves order and the word order (:mod:`pallas_kernels.mxfp4.quant`)."""
 
 
-def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool) -> str:
+def serving_byte_order(p: MoEStack | None, order: str, fast_kernels: bool, width_shards: int = 1) -> str:
     """The byte order to serve ``p``'s MXFP4 experts in for ``EngineConfig.mxfp4_byte_order`` ``order``: itself,
     or for "auto" the word order when ``fast_kernels`` (Pallas on a GPU) and every expert input width is a multiple
-    of 128, else pair halves where they are of 64, else the checkpoint order."""
+    of 128, else pair halves where they are of 64, else the checkpoint order.
+
+    ``width_shards``: the tensor-parallel ranks each expert's FFN width F is split over (w2's input width): a
+    re-ordered byte block must not straddle two ranks' shards, so each shard's width must fit the order. An
+    explicit order that does not fit raises ValueError."""
     if order != "auto":
+        packed = getattr(p, "w2_packed", None)  # None: bf16 experts, or already re-laid
+        if order != "checkpoint" and width_shards > 1 and packed is not None and not byte_order_fits(p, order,
+                                                                                                   width_shards):
+            raise ValueError(f"mxfp4_byte_order {order!r} needs each tensor-parallel shard of the expert width to "
+                             f"be a multiple of {REORDERS[order][1]}; F={2 * packed.shape[-1]} over "
+                             f"{width_shards} ranks is not")
         return order
-    return next((o for o in ("words", "pairs") if fast_kernels and byte_order_fits(p, o)), "checkpoint")
+    return next((o for o in ("words", "pairs") if fast_kernels and byte_order_fits(p, o, width_shards)),
+                "checkpoint")
 
 
-def byte_order_fits(p: MoEStack | None, order: str) -> bool:
+def byte_order_fits(p: MoEStack | None, order: str, width_shards: int = 1) -> bool:
     """Whether ``p`` has MXFP4 routed experts in the checkpoint byte order (``{w}_packed`` parameters) whose
-    input widths are multiples of what ``order`` (a key of ``REORDERS``) needs: 64 (pairs) or 128 (words)."""
+    input widths are multiples of what ``order`` (a key of ``REORDERS``) needs: 64 (pairs) or 128 (words); w2's
+    input width (F) counted per shard of ``width_shards``."""
     if p is None:
         return False
-    packed = [getattr(p, f"{name}_packed", None) for name in ("w1", "w3", "w2")]
-    return all(w is not None and (2 * w.shape[-1]) % REORDERS[order][1] == 0 for w in packed)  # in/2 bytes
+    block = REORDERS[order][1]
+    for name in ("w1", "w3", "w2"):
+        w = getattr(p, f"{name}_packed", None)
+        width = 2 * w.shape[-1] if w is not None else 0  # in/2 bytes
+        shards = width_shards if name == "w2" else 1
+        if w is None or width % shards or (width // shards) % block:
+            return False
+    return True
 
 
 @functools.partial(jax.jit, static_argnames="order", donate_argnums=0)
@@ -253,7 +271,7 @@ def _expert_matmul(p: MoEStack, names: tuple[str, ...], j: int, xs: jax.Array, i
     return out
 
 
-def _row_path(t_rows: int, k: int, impl: str | None) -> bool:
+def row_path(t_rows: int, k: int, impl: str | None) -> bool:
     """Whether the decode path gives every (token, expert) pair its own row tile (see ROW_EXPERT_MAX_PAIRS)."""
     return t_rows * k <= ROW_EXPERT_MAX_PAIRS and resolve_impl(impl) == "pallas"
 
@@ -263,7 +281,7 @@ def _fuses_shared_expert(p: MoEStack, x: jax.Array, cfg: ModelConfig, impl: str 
     reading the same input (no latent projection)."""
     return (FUSE_SHARED_EXPERT and cfg.num_shared_experts > 0 and cfg.latent_dim is None
             and _packed_experts(p, "w1") is None and p.shared_gate.shape[-1] == p.w1.shape[-1]
-            and _row_path(x.shape[0], cfg.num_experts_per_token, impl))
+            and row_path(x.shape[0], cfg.num_experts_per_token, impl))
 
 
 def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -281,21 +299,51 @@ def routed_experts(p: MoEStack, j: int, z: jax.Array, weights: jax.Array, idx: j
     t_rows, k = idx.shape
     flat = idx.reshape(-1)
     dtype = z.dtype
-    if with_shared or _row_path(t_rows, k, impl):
+    if with_shared or row_path(t_rows, k, impl):
         order, xs, rows = None, z, dict(row_experts=flat)  # the kernel reads token t's row for its k pairs
     else:
         order = jnp.argsort(flat, stable=True)
         xs, rows = z[order // k], dict(sizes=jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32))
-    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows,
-                              shared=("shared_gate", "shared_up") if with_shared else ())
-    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(dtype), up.astype(dtype), cfg), impl, **rows,
-                           shared=("shared_down",) if with_shared else ())
+    ys = expert_glu(p, j, xs, cfg, impl=impl, **rows, with_shared=with_shared)
     y = ys if order is None else jnp.zeros_like(ys).at[order].set(ys)  # back to (token, choice) order
     return jnp.einsum("tkd,tk->td", y.reshape(t_rows, k, -1), weights).astype(dtype)
 
 
-def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
+def expert_glu(p: MoEStack, j: int, xs: jax.Array, cfg: ModelConfig, *, impl: str | None = None,
+               sizes: jax.Array | None = None, row_experts: jax.Array | None = None,
+               with_shared: bool = False) -> jax.Array:
+    """The routed experts' GLU of rows ``xs [M, Din]``: ``w2(glu(w1 x, w3 x))`` per row's expert -> f32 [M, Din].
+
+    Rows are sorted by expert with ``sizes [E]`` rows per expert (E = the experts ``p`` holds: all of them, or an
+    expert-parallel rank's share), or (Pallas only) unsorted with ``row_experts [M]``; ``with_shared`` as in
+    :func:`routed_experts`. A zero row gives a zero result (the GLU of 0 is 0), which is what padding rows of an
+    expert-parallel dispatch buffer rely on."""
+    rows = dict(sizes=sizes) if row_experts is None else dict(row_experts=row_experts)
+    gate, up = _expert_matmul(p, ("w1", "w3"), j, xs, impl, **rows,
+                              shared=("shared_gate", "shared_up") if with_shared else ())
+    (ys,) = _expert_matmul(p, ("w2",), j, glu(gate.astype(xs.dtype), up.astype(xs.dtype), cfg), impl, **rows,
+                           shared=("shared_down",) if with_shared else ())
+    return ys
+
+
+def glu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, j: int, cfg: ModelConfig,
+            impl: str | None = None) -> jax.Array | PartialSum:
+    """Layer ``j`` of stacked GLU weights (see :func:`_glu_mlp`), for the shared experts of a sharded MoE."""
+    return _glu_mlp(x, gate, up, down, j, cfg, impl)
+
+
+def router_counts(idx: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
+    """Per-expert routed (token, choice) pairs of the rows where ``valid [T]`` holds: idx [T, k] -> int32 [E]."""
+    weights = jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32).reshape(-1)
+    return jnp.zeros(num_experts, jnp.int32).at[idx.reshape(-1)].add(weights)
+
+
+def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None,
+        stats: list | None = None, valid: jax.Array | None = None) -> jax.Array:
     """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D].
+
+    ``stats``: a list that gets this layer's router load appended (:func:`router_counts` of the rows where
+    ``valid [T]`` holds, int32 [E]).
 
     The routed and shared outputs are summed here, by XLA in one kernel, even at decode: handing their 8 + 4
     rows to the add + RMSNorm kernel as a :class:`PartialSum` made that single-program kernel slower than XLA's
@@ -304,6 +352,8 @@ def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None
         x, p.router[...], p.router_bias[...], k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
         scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,
         layer=j, impl=impl)
+    if stats is not None:
+        stats.append(router_counts(idx, jnp.ones(x.shape[0], bool) if valid is None else valid, cfg.num_experts))
     z = stacked_linear(x, p.latent_down, j, impl=impl) if cfg.latent_dim is not None else x
     fused = _fuses_shared_expert(p, x, cfg, impl)
     y = routed_experts(p, j, z, weights, idx, cfg, impl=impl, with_shared=fused)

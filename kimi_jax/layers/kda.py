@@ -29,6 +29,10 @@ class KDAStack(nnx.Module):
     q_proj, k_proj [L, D, H*K]; v_proj [L, D, HV*V]; conv [L, 2*H*K + HV*V, W] (fp32, q then k then v);
     f_a [L, D, K]; f_b [L, K, HV*K]; A_log [L, HV]; dt_bias [L, HV*K]; b_proj [L, D, HV];
     g_proj [L, D, HV*V] (full rank) or g_a [L, D, V] + g_b [L, V, HV*V]; o_norm [L, V]; o_proj [L, HV*V, D].
+
+    ``conv_tp`` (static): 1 when ``conv``'s channels are in the ``[q | k | v]`` order the layer reads; ``t > 1``
+    after ``sharding.place`` re-laid them rank-major for ``t`` tensor-parallel ranks (rank r's contiguous block is
+    its heads' ``[q_r | k_r | v_r]``), which only ``sharding.Parallel.kda`` can run.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
@@ -50,6 +54,7 @@ class KDAStack(nnx.Module):
             self.g_b = fan_in_normal(rngs, (n, v, hv * v), dtype)
         self.o_norm = constant((n, v), 1.0)
         self.o_proj = fan_in_normal(rngs, (n, hv * v, d), dtype)
+        self.conv_tp = 1  # channel order of ``conv``: 1 = [q | k | v]; t > 1 = rank-major for t TP ranks
 
 
 def conv_windows(qkv: jax.Array, old_conv: jax.Array, step: StepInputs, layout: TokenLayout) -> jax.Array:
@@ -103,6 +108,9 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state: jax.Array, conv: jax.Arr
 
     The ops see the pools flattened to ``[L*S, ...]`` (a free reshape) with slot ids offset by ``j*S``: a slice
     ``state[j]`` handed to a Pallas call would be copied whole, twice per layer and step."""
+    if getattr(p, "conv_tp", 1) != 1:
+        raise ValueError(f"kda.conv is laid out for {p.conv_tp} tensor-parallel ranks; run it with the "
+                         f"sharding.Parallel of that mesh (forward(..., parallel=...))")
     num_layers, num_slots = state.shape[:2]
     offset = j * num_slots
     state_pool = state.reshape((num_layers * num_slots,) + state.shape[2:])

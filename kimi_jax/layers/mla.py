@@ -70,24 +70,6 @@ def choose_form(step: StepInputs, num_keys: int) -> str:
     return "absorbed"
 
 
-def latent(p: MLAStack, j: int, x: jax.Array, cfg: ModelConfig, kv: jax.Array | None = None, *,
-           impl: str | None = None) -> jax.Array:
-    """What layer ``j`` caches per row: normalised ``c_kv`` ++ ``k_pe`` ``[T, R+Kr]`` from x [T, D] (or from the
-    row's ``kv_a`` product ``kv`` when the caller already has it)."""
-    if kv is None:
-        kv = stacked_linear(x, p.kv_a, j, impl=impl)
-    r = cfg.kv_lora_rank
-    return jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
-
-
-def write_latents(pages: jax.Array, scales: jax.Array | None, rows: jax.Array, slots: jax.Array, layer: int
-                  ) -> tuple[jax.Array, jax.Array | None]:
-    """Scatter ``rows [T, R+Kr]`` into page layer ``layer`` at flat cache rows ``slots [T]`` (-1: skipped)."""
-    if scales is None:
-        return mla_ops.write_latent_cache(pages, rows.astype(pages.dtype), slots, layer=layer), None
-    return mla_ops.write_latent_cache_fp8(pages, scales, rows, slots, layer=layer)
-
-
 def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
               layout: TokenLayout, cfg: ModelConfig, *, impl: str | None = None, form: str = "absorbed",
               finite_pages: bool = True, page_layer: int | None = None
@@ -101,44 +83,91 @@ def mla_layer(p: MLAStack, j: int, x: jax.Array, pages: jax.Array, scales: jax.A
     and up-projected to per-head keys/values; prefill) or "auto" (:func:`choose_form` from the step's shapes).
     ``finite_pages``: every page row holds a finite value (False under the engine's NaN test mode); with it,
     decode-only steps may take the Mosaic-GPU attention kernel (``mla_paged_attention``'s ``decode_q_len``).
+
     ``page_layer``: the layer of ``pages`` this layer reads and writes (default ``j``; a drafter's layers sit
-    after the model's own)."""
+    after the model's own).
+
+    The three stages (:func:`mla_project`, the cache write + :func:`mla_attend`, :func:`mla_output`) are public
+    so that a decode-context-parallel layer (``sharding.dcp``) can replace the middle one."""
+    pj = j if page_layer is None else page_layer
+    q, latent, gate = mla_project(p, j, x, cfg, impl=impl)
+    slots = slot_mapping(step, layout, pages.shape[2])
+    pages, scales = write_latent(pages, scales, latent, slots, pj)
+    total = step.context_lens + layout.q_lens
+    attn = mla_attend(p, j, q, pages, scales, step.block_tables, total, step, cfg, impl=impl, form=form,
+                      finite_pages=finite_pages, layer=pj)
+    return mla_output(p, j, attn, gate, x, cfg, impl=impl), pages, scales
+
+
+def mla_project(p: MLAStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """x [T, D] -> (queries [T, H, Kn+Kr], the latent row to cache [T, R+Kr], output-gate logits [T, H*V] or
+    None). ``H`` is read from ``cfg`` (a tensor-parallel shard passes its local head count)."""
     t_rows = x.shape[0]
-    h, kn, kr, vd, r = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                        cfg.kv_lora_rank)
+    h, kn, kr, r = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     from_x = (p.q_a if cfg.q_lora_rank else p.q_proj, p.kv_a) + ((p.g_proj,) if cfg.mla_output_gate else ())
     q, kv, *gate = stacked_linears(x, from_x, j, impl=impl)
     if cfg.q_lora_rank:
         q = stacked_linear(rms_norm(q, p.q_a_norm[j], cfg.rms_norm_eps), p.q_b, j, impl=impl)
     q = q.reshape(t_rows, h, kn + kr)
-    pj = j if page_layer is None else page_layer
-    pages, scales = write_latents(pages, scales, latent(p, j, x, cfg, kv), slot_mapping(step, layout, pages.shape[2]),
-                                  pj)
+    latent = jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
+    return q, latent, gate[0] if gate else None
 
+
+def context_latent(p: MLAStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
+    """Only the row layer ``j`` caches for x [T, D]: normalised ``c_kv`` ++ ``k_pe`` [T, R+Kr] (a drafter's
+    context entries, which no query reads in the same step)."""
+    kv = stacked_linear(x, p.kv_a, j, impl=impl)
+    r = cfg.kv_lora_rank
+    return jnp.concatenate([rms_norm(kv[:, :r], p.kv_a_norm[j], cfg.rms_norm_eps), kv[:, r:]], axis=-1)
+
+
+def write_latent(pages: jax.Array, scales: jax.Array | None, latent: jax.Array, slots: jax.Array, j: int
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """Scatter the step's latent rows into layer ``j``'s pages at flat rows ``slots [T]`` (-1: skipped)."""
+    if scales is None:
+        return mla_ops.write_latent_cache(pages, latent.astype(pages.dtype), slots, layer=j), None
+    return mla_ops.write_latent_cache_fp8(pages, scales, latent, slots, layer=j)
+
+
+def mla_attend(p: MLAStack, j: int, q: jax.Array, pages: jax.Array, scales: jax.Array | None,
+               block_tables: jax.Array, total: jax.Array, step: StepInputs, cfg: ModelConfig, *,
+               impl: str | None = None, form: str = "absorbed", finite_pages: bool = True,
+               layer: int | None = None) -> jax.Array:
+    """Attention of queries ``q [T, H, Kn+Kr]`` over the pages of ``block_tables [N, P]`` holding ``total [N]``
+    tokens per sequence (this step's included) -> f32 ``[T, H*V]`` before the gate. ``layer``: the pool's layer
+    (pages ``[L, blocks, block_size, W]``), or None for a single-layer pool ``[blocks, block_size, W]`` (the
+    gathered pages of a decode-context-parallel prefill). The weights are layer ``j`` of ``p``."""
+    t_rows, h = q.shape[:2]
+    kn, kr, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     scale = (kn + kr) ** -0.5
-    total = step.context_lens + layout.q_lens
-    num_keys = step.block_tables.shape[0] * step.block_tables.shape[1] * pages.shape[2]  # the gather's, static
+    block_size = pages.shape[-2]
+    num_keys = block_tables.shape[0] * block_tables.shape[1] * block_size  # the gather's, static
     if form == "auto":
         form = choose_form(step, num_keys)
     if form == "unabsorbed":
         cu_kv = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(total).astype(jnp.int32)])
-        keys = mla_ops.gather_latent(pages, step.block_tables, cu_kv, num_keys, page_scales=scales,
-                                     layer=pj)  # [S, R+Kr]
+        keys = mla_ops.gather_latent(pages, block_tables, cu_kv, num_keys, page_scales=scales,
+                                     layer=layer)  # [S, R+Kr]
         w_kv = p.kv_b[j].reshape(r, h, kn + vd)  # per head: Kn columns of W_UK, then V of W_UV
-        kv = jnp.einsum("sr,rhc->shc", keys[:, :r].astype(x.dtype), w_kv, preferred_element_type=F32)
-        o, _ = mla_ops.mla_prefill_attention(q, kv[..., :kn].astype(x.dtype), keys[:, r:].astype(x.dtype),
-                                             kv[..., kn:].astype(x.dtype), step.cu_seqlens, cu_kv,
+        kv = jnp.einsum("sr,rhc->shc", keys[:, :r].astype(q.dtype), w_kv, preferred_element_type=F32)
+        o, _ = mla_ops.mla_prefill_attention(q, kv[..., :kn].astype(q.dtype), keys[:, r:].astype(q.dtype),
+                                             kv[..., kn:].astype(q.dtype), step.cu_seqlens, cu_kv,
                                              scale=scale, impl=impl)
-        attn = o.astype(F32).reshape(t_rows, h * vd)
-    elif form == "absorbed":
+        return o.astype(F32).reshape(t_rows, h * vd)
+    if form == "absorbed":
         q_abs = mla_ops.absorb_queries(q, p.kv_b[...], layer=j, k_nope=kn, impl=impl)
-        o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, step.block_tables, total, step.cu_seqlens,
-                                               scale=scale, kv_lora_rank=r, page_scales=scales, layer=pj,
+        o_lat, _ = mla_ops.mla_paged_attention(q_abs, pages, block_tables, total, step.cu_seqlens,
+                                               scale=scale, kv_lora_rank=r, page_scales=scales, layer=layer,
                                                decode_q_len=1 if step.decode_only and finite_pages else None,
                                                impl=impl)
-        attn = mla_ops.absorb_outputs(o_lat, p.kv_b[...], layer=j, v_dim=vd, impl=impl).reshape(t_rows, h * vd)
-    else:
-        raise ValueError(f"MLA form must be 'absorbed' or 'unabsorbed', got {form!r}")
-    if cfg.mla_output_gate:
-        attn = attn * jax.nn.sigmoid(gate[0].astype(F32))
-    return stacked_linear_unsummed(attn.astype(x.dtype), p.o_proj, j, impl=impl), pages, scales
+        return mla_ops.absorb_outputs(o_lat, p.kv_b[...], layer=j, v_dim=vd, impl=impl).reshape(t_rows, h * vd)
+    raise ValueError(f"MLA form must be 'absorbed' or 'unabsorbed', got {form!r}")
+
+
+def mla_output(p: MLAStack, j: int, attn: jax.Array, gate: jax.Array | None, x: jax.Array, cfg: ModelConfig, *,
+               impl: str | None = None) -> jax.Array | PartialSum:
+    """Gate (sigmoid of ``gate``) and o_proj: attn f32 [T, H*V] -> [T, D] in x's dtype (or a PartialSum)."""
+    if gate is not None:
+        attn = attn * jax.nn.sigmoid(gate.astype(F32))
+    return stacked_linear_unsummed(attn.astype(x.dtype), p.o_proj, j, impl=impl)

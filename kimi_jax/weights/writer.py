@@ -15,13 +15,22 @@ from kimi_jax.weights.loader import param_leaves
 from kimi_jax.weights.names import hub_names
 
 
+def _conv_order(cfg, tp: int) -> np.ndarray:
+    from sharding.rules import conv_channel_order
+
+    return conv_channel_order(cfg, tp)
+
+
 def hub_tensors(model: KimiModel):
     """Yield (hub name, numpy array) for every tensor of the checkpoint, in layer order."""
     params = param_leaves(model)
     host = {}
+    conv_tp = getattr(getattr(model, "kda", None), "conv_tp", 1)
     for name, slot in hub_names(model.config, set(params)):
         if slot.path not in host:
             host[slot.path] = np.asarray(jax.device_get(params[slot.path].get_value()))
+            if slot.path == "kda.conv" and conv_tp != 1:  # back from the tensor-parallel channel order
+                host[slot.path] = host[slot.path][:, np.argsort(_conv_order(model.config, conv_tp))]
         value = host[slot.path][slot.index] if slot.index else host[slot.path]
         if slot.rows is not None:
             value = value[slot.rows]

@@ -6,9 +6,9 @@ import jax
 
 from pallas_kernels.impl import layer_stacks, resolve_impl
 from pallas_kernels.router.config import RouterConfig
-from pallas_kernels.router.reference import route_reference
+from pallas_kernels.router.reference import route_reference, select_experts
 
-__all__ = ["route", "route_reference", "KERNEL_MAX_ROWS", "RouterConfig"]
+__all__ = ["route", "route_reference", "select_experts", "KERNEL_MAX_ROWS", "RouterConfig"]
 
 KERNEL_MAX_ROWS = 64
 """Token rows up to which ``impl="pallas"`` routes with the two Pallas kernels (decode steps); larger steps keep

@@ -15,7 +15,16 @@ def route_reference(x: jax.Array, router: jax.Array, bias: jax.Array, *, k: int,
     """``x [T, D]``, ``router [D, E]``, ``bias [E]`` -> ``(weights [T, k] f32, expert ids [T, k] int32)``, the ids
     in descending order of biased score (lower id first on ties, like ``lax.top_k``)."""
     logits = jnp.einsum("td,de->te", x.astype(F32), router.astype(F32), precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
+    return select_experts(logits, bias, k=k, renormalize=renormalize, scaling=scaling,
+                          num_expert_group=num_expert_group, topk_group=topk_group)
+
+
+def select_experts(logits: jax.Array, bias: jax.Array, *, k: int, renormalize: bool = True, scaling: float = 1.0,
+                   num_expert_group: int = 1, topk_group: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The selection half of :func:`route_reference`: fp32 router ``logits [T, E]``, ``bias [E]`` -> ``(weights
+    [T, k] f32, expert ids [T, k] int32)``. For callers that computed the logits themselves (a tensor-parallel
+    router whose expert columns are split over ranks gathers them first)."""
+    scores = jax.nn.sigmoid(logits.astype(F32))
     choice = scores + bias.astype(F32)
     if num_expert_group > 1:
         t_rows, e = choice.shape

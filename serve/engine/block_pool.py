@@ -8,6 +8,9 @@ from collections import deque
 class RefCountedPool:
     """Ids ``1 .. size-1`` of a pool whose id 0 is reserved scratch (padded sequences point at it).
 
+    ``group_size``: ids form groups of that many consecutive ids (an MLA page pool split over DCP ranks: rank g
+    holds ids ``[g * group_size, (g + 1) * group_size)``); ``allocate(group)`` prefers a group.
+
     An id has two kinds of owners:
     * ``refs``: holders that must keep it now (a request's block table or live slot, a step that copies from
       it). Referenced ids are never reclaimed.
@@ -17,14 +20,22 @@ class RefCountedPool:
     exactly what an allocation may use after evictions.
     """
 
-    def __init__(self, size: int, name: str):
+    def __init__(self, size: int, name: str, *, group_size: int | None = None):
         if size < 2:
             raise ValueError(f"{name} pool needs at least 2 entries (entry 0 is reserved), got {size}")
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"{name} pool group_size must be >= 1, got {group_size}")
         self.name = name
         self.size = size
+        self._group_size = group_size or size
+        self.groups = groups = -(-size // self._group_size)
         self._refs = [0] * size
         self._holds = [0] * size
-        self._free: deque[int] = deque(range(1, size))
+        # one free list per group of consecutive ids (the DCP rank holding those pages; one group otherwise)
+        self._free: list[deque[int]] = [
+            deque(i for i in range(g * self._group_size, min(size, (g + 1) * self._group_size)) if i)
+            for g in range(groups)]
+        self._num_free = size - 1
         self._num_referenced = 0
         self._freed: list[int] = []
 
@@ -34,7 +45,10 @@ class RefCountedPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    def group_of(self, idx: int) -> int:
+        return idx // self._group_size
 
     @property
     def num_referenced(self) -> int:
@@ -53,11 +67,15 @@ class RefCountedPool:
     def is_free(self, idx: int) -> bool:
         return self._refs[idx] == 0 and self._holds[idx] == 0
 
-    def allocate(self) -> int:
-        """Take a free id with one reference. The caller evicts cache entries first when none is free."""
-        if not self._free:
+    def allocate(self, group: int | None = None) -> int:
+        """Take a free id with one reference, from ``group``'s range when it has one free (else from the group with
+        the most free ids). The caller evicts cache entries first when none is free."""
+        if not self._num_free:
             raise RuntimeError(f"{self.name} pool has no free entry")
-        idx = self._free.popleft()
+        if group is None or not self._free[group % self.groups]:
+            group = max(range(self.groups), key=lambda g: len(self._free[g]))
+        idx = self._free[group % self.groups].popleft()
+        self._num_free -= 1
         self._refs[idx] = 1
         self._num_referenced += 1
         return idx
@@ -98,7 +116,8 @@ class RefCountedPool:
 
     def _release_if_free(self, idx: int) -> None:
         if self._refs[idx] == 0 and self._holds[idx] == 0:
-            self._free.append(idx)
+            self._free[self.group_of(idx)].append(idx)
+            self._num_free += 1
             self._freed.append(idx)
 
     def _check(self, idx: int) -> None:

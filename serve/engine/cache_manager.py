@@ -50,6 +50,7 @@ class CacheConfig:
     bytes_per_block: int = 1
     bytes_per_slot: int = 1
     eviction_alpha: float = 1.0
+    page_group_size: int | None = None  # pages per DCP rank: pages are striped over those groups
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -96,7 +97,7 @@ class CacheManager:
     def __init__(self, config: CacheConfig):
         self.config = config
         self.block_size = config.block_size
-        blocks = RefCountedPool(config.num_blocks, "block")
+        blocks = RefCountedPool(config.num_blocks, "block", group_size=config.page_group_size)
         slots = RefCountedPool(config.num_slots, "slot")
         self.prefix = PrefixCache(config.block_size, blocks, slots, bytes_per_block=config.bytes_per_block,
                                   bytes_per_slot=config.bytes_per_slot, eviction_alpha=config.eviction_alpha)

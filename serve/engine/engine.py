@@ -156,7 +156,7 @@ class LLMEngine:
             block_size=cfg.block_size, num_blocks=num_blocks, num_slots=runner.num_slots,
             enable_prefix_caching=cfg.enable_prefix_caching, retention_interval=cfg.prefix_cache_retention_interval,
             max_checkpoints_per_seq=cfg.max_checkpoints_per_seq, bytes_per_block=runner.plan.bytes_per_block,
-            bytes_per_slot=runner.plan.bytes_per_slot)
+            bytes_per_slot=runner.plan.bytes_per_slot, page_group_size=runner.page_group_size)
         spec = cfg.speculative_config
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                                    max_num_batched_tokens=cfg.max_num_batched_tokens), cache_config,
@@ -305,10 +305,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        load = self.runner.router_load()  # as of a recent step; never waits for the device
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, cache_usage=s.cache_usage,
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
-                           generation_tokens=s.generation_tokens, spec_decode=s.spec_decode)
+                           generation_tokens=s.generation_tokens, router_expert_tokens=router_expert_tokens(load),
+                           router_imbalance=router_imbalance(load), spec_decode=s.spec_decode)
+
+    def router_load(self):
+        """Routed pairs per MoE layer and expert since start, int32 [L_moe, E] (``ModelRunner.router_load``)."""
+        return self.runner.router_load()
 
     # ---- output processing ----
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
@@ -377,6 +383,19 @@ class LLMEngine:
             self._completion_of.pop(request.request_id, None)
             self._owner.pop(request.request_id, None)
         self._requests.pop(user.request_id, None)
+
+
+def router_expert_tokens(load: np.ndarray) -> tuple[int, ...]:
+    """Per-expert routed pairs summed over MoE layers."""
+    return tuple(int(v) for v in load.sum(axis=0)) if load.size else ()
+
+
+def router_imbalance(load: np.ndarray) -> float:
+    """Mean over MoE layers of max / mean routed pairs per expert (0 before any token was routed)."""
+    if not load.size or not load.sum():
+        return 0.0
+    per_layer = load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-9)
+    return float(per_layer[load.sum(axis=1) > 0].mean())
 
 
 def _ended_by_stop_token(request: Request) -> bool:

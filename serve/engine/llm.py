@@ -27,13 +27,29 @@ class LLM:
       dtype: parameter dtype ("auto": float32 on CPU, bfloat16 on GPU).
       seed: random-weight seed for presets without weights.
       impl: op implementation (None = backend default).
+      tensor_parallel_size, data_parallel_size, enable_expert_parallel, decode_context_parallel_size, num_hosts,
+        host_rank, coordinator_address: the parallelism flags of ``vllm serve`` (``sharding.layout``); with
+        ``data_parallel_size > 1`` the engine is a ``DataParallelEngine`` of independent replicas.
       engine_args: EngineConfig fields (max_model_len, max_num_seqs, enable_prefix_caching, ...).
     """
 
     def __init__(self, model="tiny", *, tokenizer="auto", dtype="auto", seed: int = 0, impl: str | None = None,
-                 **engine_args):
-        self.engine = LLMEngine.from_pretrained(model, tokenizer=tokenizer, dtype=dtype, seed=seed, impl=impl,
-                                                **engine_args)
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 decode_context_parallel_size: int = 1, num_hosts: int | None = None, host_rank: int | None = None,
+                 coordinator_address: str | None = None, **engine_args):
+        from serve.engine.data_parallel import build_engine
+        from sharding.layout import ParallelConfig
+
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                                  enable_expert_parallel=enable_expert_parallel,
+                                  decode_context_parallel_size=decode_context_parallel_size, num_hosts=num_hosts,
+                                  host_rank=host_rank, coordinator_address=coordinator_address)
+        if not isinstance(model, str) and parallel.num_devices == 1:
+            self.engine = LLMEngine.from_pretrained(model, tokenizer=tokenizer, dtype=dtype, seed=seed, impl=impl,
+                                                    **engine_args)
+        else:
+            self.engine = build_engine(model, tokenizer=tokenizer, dtype=dtype, seed=seed, impl=impl,
+                                       parallel=parallel, **engine_args)
         self._ids = itertools.count()
 
     @classmethod

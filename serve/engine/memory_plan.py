@@ -34,35 +34,43 @@ class CacheDims:
     mla_scale_bytes: int = 0
     state_dtype_bytes: int = 4
     conv_dtype_bytes: int = 4
+    kda_shards: int = 1  # a slot's state is split over this many devices (KDA heads over tensor x dcp)
+    mla_shards: int = 1  # a page's id range is split over this many devices (blocks over dcp)
 
     @classmethod
     def from_model_config(cls, cfg, *, mla_dtype_bytes: int = 2, mla_scale_bytes: int = 0,
-                          state_dtype_bytes: int = 4, conv_dtype_bytes: int = 4,
-                          extra_mla_layers: int = 0) -> "CacheDims":
-        """From a ``kimi_jax.config.ModelConfig`` (the defaults match ``kimi_jax.step.init_cache``;
-        ``extra_mla_layers``: a drafter's page layers)."""
+                          state_dtype_bytes: int = 4, conv_dtype_bytes: int = 4, kda_shards: int = 1,
+                          mla_shards: int = 1, extra_mla_layers: int = 0) -> "CacheDims":
+        """From a ``kimi_jax.config.ModelConfig`` (the defaults match ``kimi_jax.step.init_cache``).
+
+        ``kda_shards`` / ``mla_shards``: the devices a slot's state / the page pool are split over; the byte counts
+        are then per device, so a per-device budget plans pools whose ids span the whole mesh.
+        ``extra_mla_layers``: a drafter's page layers."""
         return cls(num_mla_layers=len(cfg.mla_layers) + extra_mla_layers, kv_lora_rank=cfg.kv_lora_rank,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, num_kda_layers=len(cfg.kda_layers),
                    kda_num_heads=cfg.kda_num_heads, kda_num_v_heads=cfg.kda_num_v_heads,
                    kda_head_dim=cfg.kda_head_dim, kda_v_head_dim=cfg.kda_v_head_dim,
                    conv_kernel=cfg.kda_conv_kernel, mla_dtype_bytes=mla_dtype_bytes, mla_scale_bytes=mla_scale_bytes,
-                   state_dtype_bytes=state_dtype_bytes, conv_dtype_bytes=conv_dtype_bytes)
+                   state_dtype_bytes=state_dtype_bytes, conv_dtype_bytes=conv_dtype_bytes, kda_shards=kda_shards,
+                   mla_shards=mla_shards)
 
     @property
     def conv_channels(self) -> int:
         return 2 * self.kda_num_heads * self.kda_head_dim + self.kda_num_v_heads * self.kda_v_head_dim
 
     def bytes_per_block(self, block_size: int) -> int:
-        """One MLA page in every MLA layer: num_mla_layers * block_size * ((R + K_rope) * dtype bytes + scale bytes)."""
+        """One MLA page in every MLA layer: num_mla_layers * block_size * ((R + K_rope) * dtype bytes + scale bytes),
+        per device (divided by ``mla_shards``)."""
         row = (self.kv_lora_rank + self.qk_rope_head_dim) * self.mla_dtype_bytes + self.mla_scale_bytes
-        return self.num_mla_layers * block_size * row
+        return -(-self.num_mla_layers * block_size * row // self.mla_shards)
 
     @property
     def bytes_per_slot(self) -> int:
-        """One KDA slot in every KDA layer: recurrent state HV*K*V plus conv state (W-1)*channels."""
+        """One KDA slot in every KDA layer: recurrent state HV*K*V plus conv state (W-1)*channels, per device
+        (divided by ``kda_shards``)."""
         state = self.kda_num_v_heads * self.kda_head_dim * self.kda_v_head_dim * self.state_dtype_bytes
         conv = (self.conv_kernel - 1) * self.conv_channels * self.conv_dtype_bytes
-        return self.num_kda_layers * (state + conv)
+        return -(-self.num_kda_layers * (state + conv) // self.kda_shards)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ class MLAPages:
     def allocate(self, request: Request, num_new_tokens: int) -> None:
         """Extend the request's block table to cover ``num_computed_tokens + num_new_tokens`` positions."""
         for _ in range(self.num_new_pages(request, num_new_tokens)):
-            request.block_table.append(self._take())
+            request.block_table.append(self._take(len(request.block_table)))
 
     def share(self, request: Request, blocks: list[int]) -> None:
         """Start the request's table with cached (shared, read-only) full pages."""
@@ -55,7 +55,7 @@ class MLAPages:
         source stays pinned until the step that copies it has run)."""
         self.pool.ref(source)
         self._pins.append(source)
-        dst = self._take()
+        dst = self._take(len(request.block_table))
         self._copies.append((source, dst))
         request.block_table.append(dst)
 
@@ -79,8 +79,10 @@ class MLAPages:
             self.unref(block)
         self._pins = []
 
-    def _take(self) -> int:
+    def _take(self, page_index: int) -> int:
+        """A page for position ``page_index`` of a block table: striped over the pool's groups (DCP ranks), page
+        j from group ``j % groups``, so every rank holds an equal share of each long context."""
         while self.pool.num_free == 0:
             if not (self._prefix.evict_page() or self._prefix.evict_checkpoint()):
                 raise RuntimeError("no page to allocate: check can_allocate first")
-        return self.pool.allocate()
+        return self.pool.allocate(page_index % self.pool.groups)

@@ -95,6 +95,11 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    router_expert_tokens: tuple[int, ...] = ()
+    """Routed (token, choice) pairs each expert received since start, summed over MoE layers (router load)."""
+    router_imbalance: float = 0.0
+    """Mean over MoE layers of (busiest expert's pairs) / (mean pairs per expert); 1 = perfectly balanced."""
+    num_replicas: int = 1
     spec_decode: "SpecDecodeStats | None" = None
 
 

@@ -22,7 +22,11 @@ batch so that a step the device cannot run fails at start-up; calling a compiled
 compiles, and ``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
 
 Placement: parameters, caches and step inputs carry ``NamedSharding``s of ``mesh`` (one device by default,
-everything replicated), so tensor / expert parallelism is a change of partition specs, not of this code.
+everything replicated). On a multi-device mesh the step's forward runs every sublayer inside ``jax.shard_map``
+(``sharding.Parallel``: tensor, expert and decode context parallelism, Pallas kernels or reference ops alike);
+the MLA page pool's blocks are split over the ``dcp`` ranks and the scheduler stripes each request's pages over
+them (``page_group_size``). Every step also adds its router load (per-expert routed pairs of real rows) to
+device-resident totals that ``router_load()`` fetches without waiting.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from kimi_jax.model import KimiModel, compute_logits, forward, use_serving_byte_
 from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
 from pallas_kernels.impl import resolve_impl
+from serve.engine import multihost
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
@@ -57,6 +62,8 @@ from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from serve.engine.speculation import SpecPlan, draft_next, verify_rows
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
+from sharding.parallel import parallel_for
+from sharding.place import place_array, relayout_conv
 from sharding.rules import fitted_cache_specs
 
 COPY_CHUNK = 16
@@ -92,13 +99,16 @@ def _param_path(path: tuple) -> str:
 
 
 def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool,
-              finite_pages: bool, plan: SpecPlan | None, params, cache, words, optional, prev_tokens,
-              drafter_params, draft_probs):
+              finite_pages: bool, parallel, plan: SpecPlan | None, params, cache, words, optional, prev_tokens,
+              router_totals, drafter_params, draft_probs):
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
     prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
     ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N], tokens [S] (the sampled ids
-    padded with 0, the next step's ``prev_tokens``), new cache, draft_probs).
+    padded with 0, the next step's ``prev_tokens``), new cache, ``router_totals [L_moe, E]`` int32 plus this
+    step's router load, draft_probs).
+
+    ``parallel`` (static): the mesh's ``sharding.Parallel`` (None on one device).
 
     ``greedy_only`` (static): the variant for steps with no sampling, grammar, penalties or top logprobs: just
     the argmax. The general variant always applies the bitmask and penalties (neutral when unused), sorts for
@@ -121,8 +131,11 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     taps = plan.taps if plan is not None and plan.has_drafter else ()
-    out = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages, taps=taps)
-    hidden, cache = out[0], out[1]
+    aux = {}
+    hidden, cache = forward(model, cache, step, impl=impl, mla_form="auto", finite_pages=finite_pages,
+                            parallel=parallel, taps=taps, aux=aux)
+    if "router_counts" in aux:
+        router_totals = router_totals + aux["router_counts"]
     logits = compute_logits(model, hidden)  # [M, vocab] f32
     n = step.num_seqs
     sampled_probs = plan is not None and plan.has_drafter and plan.draft_sampling == "probabilistic"
@@ -139,7 +152,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         q_lens = step.cu_seqlens[1:] - step.cu_seqlens[:-1]
         fed = emitted if step.verify_len else q_lens
         cache, drafts, num_drafts, probs = draft_next(
-            plan, model, drafter_params, cache, step, out[2], sampled.token_ids, step.context_lens + fed,
+            plan, model, drafter_params, cache, step, aux["taps"], sampled.token_ids, step.context_lens + fed,
             batch.sampling, batch.sampling.step_index + emitted, impl=impl, finite_pages=finite_pages)
         spec = dataclasses.replace(spec, drafts=drafts, num_drafts=num_drafts)
         if probs is not None:
@@ -147,7 +160,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     if spec is not None:
         sampled = dataclasses.replace(sampled, spec=spec)
     tokens = jnp.zeros_like(prev_tokens).at[:n].set(sampled.token_ids)
-    return sampled, tokens, cache, draft_probs
+    return sampled, tokens, cache, router_totals, draft_probs
 
 
 def _sample_rows(logits: jax.Array, batch: StepBatch, impl: str | None, num_top_logprobs: int,
@@ -155,7 +168,8 @@ def _sample_rows(logits: jax.Array, batch: StepBatch, impl: str | None, num_top_
     """One token per sequence from its last row's logits [N, V] (see ``_run_step`` for the two variants)."""
     rows = logits.shape[0]
     if greedy_only:
-        sampled = _greedy(logits, impl)
+        sampled = _greedy(logits, impl) if parallel is None else parallel.replicated(partial(_greedy, impl=impl),
+                                                                                     logits)
         top = (jnp.zeros((rows, num_top_logprobs), jnp.int32), jnp.zeros((rows, num_top_logprobs), jnp.float32))
         return SampledTokens(sampled.token_ids, sampled.logprobs, *top)
     s = batch.sampling
@@ -202,7 +216,7 @@ class StepHandle:
         self._sampled = sampled
         self._num_rows = num_rows
         self._with_logprobs = with_logprobs
-        if sampled is not None:
+        if sampled is not None and sampled.token_ids.is_fully_addressable:
             sampled.token_ids.copy_to_host_async()
             if sampled.spec is not None:
                 for array in jax.tree.leaves(sampled.spec):
@@ -216,14 +230,15 @@ class StepHandle:
         if self._sampled is None:
             return SampledTokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, 0), np.int32),
                                  np.zeros((0, 0), np.float32))
-        token_ids = np.asarray(self._sampled.token_ids)[:n]
+        host = multihost.host_view  # this process's copy of the replicated outputs
+        token_ids = host(self._sampled.token_ids)[:n]
         s = self._sampled
-        spec = None if s.spec is None else jax.tree.map(lambda a: np.asarray(a)[:n], s.spec)
+        spec = None if s.spec is None else jax.tree.map(lambda a: host(a)[:n], s.spec)
         if not self._with_logprobs:
             return SampledTokens(token_ids, np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
                                  np.zeros((n, 0), np.float32), spec)
-        return SampledTokens(token_ids, np.asarray(s.logprobs)[:n], np.asarray(s.top_token_ids)[:n],
-                             np.asarray(s.top_logprobs)[:n], spec)
+        return SampledTokens(token_ids, host(s.logprobs)[:n], host(s.top_token_ids)[:n], host(s.top_logprobs)[:n],
+                             spec)
 
 
 class ModelRunner:
@@ -232,9 +247,12 @@ class ModelRunner:
     Args:
       model: a KimiModel or KimiLM (its ``impl`` is used unless ``impl`` is given).
       config: engine settings; resolved here for the model and platform (``self.config``).
-      mesh: a ``sharding.make_mesh`` mesh (default: one device). Parameters and cache pools are placed with
-        the partition rules of ``sharding.rules`` fitted to it (on one device: everything replicated); the
-        step is partitioned by GSPMD, which needs the pure-XLA ops (the Pallas kernels are not partitioned yet).
+      mesh: a ``sharding.make_mesh`` mesh of one replica (default: one device). Parameters and cache pools are
+        placed with the partition rules of ``sharding.rules`` fitted to it (on one device: everything
+        replicated); on more than one device the forward's sublayers run in ``jax.shard_map``
+        (``sharding.Parallel``), with either impl.
+      expert_parallel: vLLM's ``--enable-expert-parallel``: routed experts split over every device of the mesh.
+      capacity_factor: expert-parallel dispatch buffer size (``sharding.moe_ep``; None = exact).
       impl: op implementation passed to the forward (None = backend default).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
       drafter: the DSpark drafter (``kimi_jax.drafter.DSparkDrafter``) when ``config.speculative_config`` asks
@@ -246,27 +264,33 @@ class ModelRunner:
     """
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
-                 impl: str | None = None, warm_up: bool = True, progress: Callable[[int, int], None] | None = None,
-                 drafter=None):
+                 expert_parallel: bool = False, capacity_factor: float | None = None, impl: str | None = None,
+                 warm_up: bool = True, progress: Callable[[int, int], None] | None = None, drafter=None):
         if isinstance(model, KimiLM):
             impl = impl if impl is not None else model.impl
+            if getattr(model, "parallel", None) is not None and mesh is None:
+                mesh = model.parallel.mesh
+                expert_parallel = model.parallel.shape.expert_parallel
             model = model.model
         self.model_config = model.config
         self.mesh = mesh or make_mesh()
-        if self.mesh.size > 1 and resolve_impl(impl) == "pallas":
-            raise ValueError("a multi-device mesh needs impl='reference': the Pallas kernels have no shard_map "
-                             "wrappers yet, and XLA cannot partition them")
+        self.shape = MeshShape.of(self.mesh, expert_parallel=expert_parallel)
+        self.multihost = multihost.is_multiprocess()
+        self.parallel = parallel_for(self.mesh, expert_parallel=expert_parallel, capacity_factor=capacity_factor)
         self.on_gpu = self.mesh.devices.flat[0].platform == "gpu"
+        self.local_device = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
         self.config = config.resolve(model.config, gpu=self.on_gpu)
         self.impl = impl
-        use_serving_byte_order(model, self.config.mxfp4_byte_order,
+        width_shards = 1 if expert_parallel else self.shape.tensor_parallel
+        use_serving_byte_order(model, self.config.mxfp4_byte_order, width_shards=width_shards,
                                fast_kernels=self.on_gpu and resolve_impl(impl) == "pallas")
+        relayout_conv(model, self.shape.tensor_parallel if self.parallel is not None else 1)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        specs = param_specs(model, MeshShape.of(self.mesh))
+        specs = param_specs(model, self.shape)
         graphdef, state = nnx.split(model)
         paths_leaves, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         self.param_names = [_param_path(path) for path, _ in paths_leaves]
-        self.params = [jax.device_put(leaf, NamedSharding(self.mesh, specs[name]))
+        self.params = [_place_param(leaf, NamedSharding(self.mesh, specs[name]))
                        for name, (_, leaf) in zip(self.param_names, paths_leaves)]
         self._graphdef = graphdef
         self.vocab_size = model.config.vocab_size
@@ -284,7 +308,11 @@ class ModelRunner:
         self._last_launch = None
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
-        self._tokens = jax.device_put(np.zeros(max(self.buckets.seqs), np.int32), self.replicated)
+        self._tokens = self._put(np.zeros(max(self.buckets.seqs), np.int32))
+        cfg_m = model.config
+        self._router_host = np.zeros((len(cfg_m.moe_layers), cfg_m.num_experts if cfg_m.moe_layers else 0), np.int32)
+        self._router_totals = self._put(self._router_host)
+        self._router_fetch = None  # a past totals array whose copy to the host is in flight
         self._draft_probs = self._initial_draft_probs()
         self._verify_steps: dict[tuple[int, int, bool], jax.stages.Compiled] = {}
         self._verify_buffers: dict[tuple[int, int], WordBuffer] = {}
@@ -303,6 +331,9 @@ class ModelRunner:
             return None, [], 0
         if spec.method == "draft_model":
             raise ValueError("speculative_config.method 'draft_model' is not served yet: use 'ngram' or 'dspark'")
+        if self.mesh.size > 1:
+            raise ValueError("speculative decoding runs on one device for now (its verification and drafting steps "
+                             "have no shard_map layouts yet): drop --speculative-config or the parallelism flags")
         if spec.method != "dspark":
             return SpecPlan(spec.method, spec.num_speculative_tokens, spec.rejection_sample_method,
                             spec.draft_sample_method), [], 0
@@ -335,11 +366,30 @@ class ModelRunner:
     def num_slots(self) -> int:
         return self.plan.num_slots
 
+    @property
+    def page_group_size(self) -> int | None:
+        """Pages per DCP rank (the pool's blocks are split into that many consecutive ids per rank), or None."""
+        return self.plan.num_blocks // self.shape.dcp if self.shape.dcp > 1 else None
+
+    def router_load(self) -> np.ndarray:
+        """Routed (token, choice) pairs per expert and MoE layer since start, int32 [L_moe, E], as of a recent
+        step: never waits for the device (the totals of a past step are copied to the host in the background,
+        and the newest copy that has arrived is returned)."""
+        if self._router_fetch is not None and self._router_fetch.is_ready():
+            self._router_host = multihost.host_view(self._router_fetch)
+            self._router_fetch = None
+        if self._router_fetch is None:
+            self._router_fetch = self._router_totals
+            if self._router_fetch.is_fully_addressable:
+                self._router_fetch.copy_to_host_async()
+        return self._router_host
+
     def _plan_pools(self) -> PoolPlan:
         cfg = self.config
         fp8 = self.kv_dtype == jnp.float8_e4m3fn
         dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize,
-                                           mla_scale_bytes=4 if fp8 else 0, extra_mla_layers=self.num_draft_layers)
+                                           mla_scale_bytes=4 if fp8 else 0, kda_shards=self.shape.tensor_parallel,
+                                           mla_shards=self.shape.dcp, extra_mla_layers=self.num_draft_layers)
         budget = cfg.memory_budget_bytes or (self._device_budget() if self.on_gpu else CPU_MEMORY_BUDGET)
         plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                          num_checkpoint_slots=cfg.num_checkpoint_slots + cfg.num_speculative_slots)
@@ -352,10 +402,13 @@ class ModelRunner:
 
     def _device_budget(self) -> int:
         """Bytes left for the pools on the first device after the weights: utilisation share minus reserve."""
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = self.local_device.memory_stats() or {}
         limit = stats.get("bytes_limit", 0)
         in_use = stats.get("bytes_in_use", 0)
         budget = int(limit * self.config.gpu_memory_utilization) - in_use - self.config.activation_reserve_bytes
+        if self.multihost:  # every process must size its pools identically: the smallest budget wins
+            from jax.experimental import multihost_utils
+            budget = int(np.min(multihost_utils.process_allgather(np.array([budget], np.int64))))
         if budget <= 0:
             raise ValueError(f"no device memory left for the cache pools (limit {limit} B, in use {in_use} B, "
                              f"reserve {self.config.activation_reserve_bytes} B); set memory_budget_bytes")
@@ -381,11 +434,12 @@ class ModelRunner:
             optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
             words = jax.ShapeDtypeStruct((buffer.layout.num_words,), jnp.int32, sharding=self.replicated)
             step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
-                                      buffer.layout, greedy_only, not cfg.test_mode, self.spec_plan),
-                              donate_argnums=(1, 6),
-                              out_shardings=(self.replicated, self.replicated, self.cache_shardings, self.replicated))
-            return step_fn.lower(self.params, self.cache, words, optional, self._tokens, self.drafter_params,
-                                 self._draft_probs)
+                                      buffer.layout, greedy_only, not cfg.test_mode, self.parallel, self.spec_plan),
+                              donate_argnums=(1, 7),
+                              out_shardings=(self.replicated, self.replicated, self.cache_shardings, self.replicated,
+                                             self.replicated))
+            return step_fn.lower(self.params, self.cache, words, optional, self._tokens, self._router_totals,
+                                 self.drafter_params, self._draft_probs)
 
         for shape in self.buckets.shapes():
             small, optional = split(self._neutral_batch(*shape))
@@ -416,8 +470,9 @@ class ModelRunner:
                 report(len(compiled), len(lowered))
         self._copy = compiled.pop("copy")
         self._poison = compiled.pop("poison", None)
-        self._verify_steps = {key[1:]: compiled.pop(key) for key in list(compiled) if key[0] == "verify"}
-        self._steps = compiled
+        self._verify_steps = {key[1:]: compiled.pop(key) for key in lowered if key[0] == "verify"}
+        # in the order they were lowered, not finished: every process of a multi-host replica runs them in turn
+        self._steps = {key: compiled[key] for key in lowered if key in compiled}
         self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
         self.step_temp_bytes.update({("verify", *key): step_temp_bytes(c) for key, c in self._verify_steps.items()})
         if self.on_gpu:
@@ -438,8 +493,10 @@ class ModelRunner:
             buffer.reset()
             optional = tuple(self._neutral_sampling(seqs)[name] for name in OPTIONAL_SAMPLING)
             try:
-                sampled, _, self.cache, self._draft_probs = step(self.params, self.cache, buffer.take(), optional,
-                                                                 self._tokens, self.drafter_params, self._draft_probs)
+                words = buffer.take()
+                sampled, _, self.cache, _, self._draft_probs = step(
+                    self.params, self.cache, self._put(words) if self.multihost else words, optional, self._tokens,
+                    self._router_totals, self.drafter_params, self._draft_probs)
                 jax.block_until_ready((sampled, self.cache))
             except jax.errors.JaxRuntimeError as err:
                 raise RuntimeError(
@@ -449,7 +506,7 @@ class ModelRunner:
 
     def _check_step_memory(self) -> None:
         """Fail at start-up, not mid-serving, when a step's temporaries do not fit beside weights and pools."""
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = self.local_device.memory_stats() or {}
         if "bytes_limit" not in stats:
             return
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -496,24 +553,82 @@ class ModelRunner:
         greedy_only = ((step.decode_only or step.verify_len > 0)
                        and not any(map(bool, (batch.use_sampling, batch.use_bitmask, batch.use_penalties,
                                               batch.want_top_logprobs))))
-        # Host arrays (the word buffer; penalty or grammar arrays when a row uses them) go to the executable as
-        # numpy: its C++ argument path transfers them. jax.device_put first cost ~160 us of host time per step
-        # here against ~6 us; the neutral optional arrays already live on the device.
         if step.verify_len:
-            buffer, executable = (self._verify_buffers[shape[1:3]],
-                                  self._verify_steps[(*shape[1:3], greedy_only)])
-            key = (*shape, greedy_only, step.verify_len)
+            key = ("verify", *shape[1:3], greedy_only)
+            words = self._verify_buffers[shape[1:3]].take()
         else:
-            buffer, executable = self._buffers[shape], self._steps[(*shape, greedy_only)]
             key = (*shape, greedy_only)
-        self.launch_counts[key] += 1
-        self._last_launch = (executable, (buffer.take(), optional, self._tokens))
-        start = time.perf_counter()
-        sampled, self._tokens, self.cache, self._draft_probs = executable(
-            self.params, self.cache, *self._last_launch[1], self.drafter_params, self._draft_probs)
-        self.last_call_seconds = time.perf_counter() - start
+            words = self._buffers[shape].take()
+        if self.multihost:  # the followers replay this launch (serve.engine.multihost)
+            mask = sum(1 << i for i, a in enumerate(optional) if isinstance(a, np.ndarray))
+            multihost.announce(multihost.STEP, (*shape[:3], int(shape[3]), int(greedy_only), mask),
+                               (words, tuple(a for a in optional if isinstance(a, np.ndarray))))
+        sampled = self.launch_step(key, words, optional)
         self._rows = {seq.request_id: i for i, seq in enumerate(out.sequences)}
         return StepHandle(sampled, len(out.sequences), with_logprobs)
+
+    def launch_step(self, key: tuple, words: np.ndarray, optional: tuple) -> SampledTokens:
+        """Launch the compiled step ``key`` (a bucket key, or ``("verify", N, P, greedy_only)``) on a packed word
+        buffer and the optional sampling arrays."""
+        # Host arrays (the word buffer; penalty or grammar arrays when a row uses them) go to the executable as
+        # numpy: its C++ argument path transfers them. jax.device_put first cost ~160 us of host time per step
+        # here against ~6 us; the neutral optional arrays already live on the device. Several processes: every
+        # host array becomes a replicated global array first (each process places its identical copy).
+        if self.multihost:
+            words = self._put(words)
+            optional = tuple(self._put(a) if isinstance(a, np.ndarray) else a for a in optional)
+        executable = self._verify_steps[key[1:]] if key[0] == "verify" else self._steps[key]
+        self.launch_counts[key if key[0] != "verify" else (key[1] * self.verify_len, *key[1:3], False, key[3],
+                                                            self.verify_len)] += 1
+        self._last_launch = (executable, (words, optional, self._tokens, self._router_totals))
+        start = time.perf_counter()
+        sampled, self._tokens, self.cache, self._router_totals, self._draft_probs = executable(
+            self.params, self.cache, *self._last_launch[1], self.drafter_params, self._draft_probs)
+        self.last_call_seconds = time.perf_counter() - start
+        return sampled
+
+    # ---- several hosts (serve.engine.multihost) ----
+    def _put(self, host: np.ndarray) -> jax.Array:
+        return place_array(host, self.replicated)
+
+    def step_payload_like(self, key: tuple, host_mask: int) -> tuple:
+        """Zero arrays shaped like a step's broadcast inputs (a follower's receive buffers)."""
+        neutral = self._neutral_sampling(key[1])
+        host = tuple(np.zeros(neutral[name].shape, neutral[name].dtype) for i, name in enumerate(OPTIONAL_SAMPLING)
+                     if host_mask >> i & 1)
+        return np.zeros(self._buffers[key[:4]].layout.num_words, np.int32), host
+
+    def follower_step(self, key: tuple, words: np.ndarray, host_optional: tuple, host_mask: int) -> None:
+        neutral = self._neutral_sampling(key[1])
+        received = iter(host_optional)
+        optional = tuple(next(received) if host_mask >> i & 1 else neutral[name]
+                         for i, name in enumerate(OPTIONAL_SAMPLING))
+        self.launch_step(key, words, optional)
+
+    def copy_payload_like(self) -> tuple:
+        return np.zeros((2, COPY_CHUNK), np.int32), np.zeros((2, COPY_CHUNK), np.int32)
+
+    def poison_payload_like(self) -> tuple:
+        return np.zeros(COPY_CHUNK, np.int32), np.zeros(COPY_CHUNK, np.int32)
+
+    def launch_copy(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+        if self.multihost:
+            blocks, slots = self._put(blocks), self._put(slots)
+        self.cache = self._copy(self.cache, blocks, slots)
+
+    def launch_poison(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+        if self.multihost:
+            blocks, slots = self._put(blocks), self._put(slots)
+        self.cache = self._poison(self.cache, blocks, slots)
+
+    def follow(self) -> None:
+        """A follower process: replay process 0's launches until it calls :meth:`stop_followers`."""
+        multihost.follow(self)
+
+    def stop_followers(self) -> None:
+        """Process 0: end the followers' replay loops (at shutdown)."""
+        if self.multihost and jax.process_index() == 0:
+            multihost.announce(multihost.STOP)
 
     def time_step(self, repeats: int) -> float:
         """Device seconds per step of the last launched step, relaunched ``repeats`` times back to back with no
@@ -522,8 +637,8 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         start = time.perf_counter()
         for _ in range(repeats):
-            sampled, _, self.cache, self._draft_probs = executable(self.params, self.cache, *args,
-                                                                   self.drafter_params, self._draft_probs)
+            sampled, _, self.cache, self._router_totals, self._draft_probs = executable(
+                self.params, self.cache, *args, self.drafter_params, self._draft_probs)
         jax.block_until_ready((sampled, self.cache))
         return (time.perf_counter() - start) / repeats
 
@@ -614,21 +729,33 @@ class ModelRunner:
         if n not in self._neutral:
             full = SamplingTensors.from_requests([], self.vocab_size, num_rows=n, penalty_width=self.penalty_width,
                                                  always_penalties=True, always_bitmask=True)
-            self._neutral[n] = {name: jax.device_put(getattr(full, name), self.replicated)
-                                for name in OPTIONAL_SAMPLING}
+            self._neutral[n] = {name: self._put(getattr(full, name)) for name in OPTIONAL_SAMPLING}
         return self._neutral[n]
 
     def _launch_copies(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
         for start in range(0, max(len(block_copies), len(slot_copies)), COPY_CHUNK):
             blocks = _pairs(block_copies[start:start + COPY_CHUNK])
             slots = _pairs(slot_copies[start:start + COPY_CHUNK])
-            self.cache = self._copy(self.cache, blocks, slots)
+            if self.multihost:
+                multihost.announce(multihost.COPY, payload=(blocks, slots))
+            self.launch_copy(blocks, slots)
 
     def _launch_poison(self, blocks: list[int], slots: list[int]) -> None:
         for start in range(0, max(len(blocks), len(slots)), COPY_CHUNK):
             b = _padded_ids(blocks[start:start + COPY_CHUNK], self.num_blocks)
             s = _padded_ids(slots[start:start + COPY_CHUNK], self.num_slots)
-            self.cache = self._poison(self.cache, b, s)
+            if self.multihost:
+                multihost.announce(multihost.POISON, payload=(b, s))
+            self.launch_poison(b, s)
+
+
+def _place_param(leaf, sharding: NamedSharding) -> jax.Array:
+    """A parameter on its target sharding (a no-op when the loader already put it there)."""
+    if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+        return leaf
+    if sharding.is_fully_addressable or not (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable):
+        return place_array(leaf, sharding)
+    return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
 
 
 def _pairs(copies: list[tuple[int, int]]) -> np.ndarray:

@@ -1,8 +1,10 @@
 """`kimi-jax serve` flags (mirroring `vllm serve` where the meaning is the same) and the server entry points.
 
 Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --enable-prefix-caching,
---prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed) are defined here so `kimi-jax serve --help` lists
-them all, and are read by whoever builds the engine; `run_server` reads the HTTP ones.
+--prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed) and the parallelism flags
+(--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel, --decode-context-parallel-size,
+--num-hosts / --host-rank / --coordinator-address) are defined here so `kimi-jax serve --help` lists them all, and
+are read by whoever builds the engine; `run_server` reads the HTTP ones.
 """
 
 from __future__ import annotations
@@ -67,6 +69,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "loaded)")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
+    add_parallel_args(parser)
+    return parser
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parallelism flags, as ``vllm serve`` names them (``sharding.layout`` says what each does here)."""
+    par = parser.add_argument_group("parallelism (sharding.layout)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="devices of one replica; weights (heads, FFN widths, vocabulary) split over them")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="independent replicas behind one server, requests balanced by load and prefix; with "
+                          "--enable-expert-parallel the DP ranks instead join one replica's expert group")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="routed experts split over the replica's devices (E/tp each, tokens by all-to-all) "
+                          "instead of every device holding a slice of every expert")
+    par.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                     help="a divisor of --tensor-parallel-size: MLA latent pages split along the sequence over "
+                          "that many of the TP ranks, partial attention merged by log-sum-exp (cache capacity "
+                          "grows with it)")
+    par.add_argument("--expert-capacity-factor", type=float, default=None,
+                     help="expert-parallel dispatch buffer: capacity-factor times the balanced share per expert "
+                          "owner, pairs past it dropped (default: exact, no pair dropped)")
+    hosts = parser.add_argument_group("several hosts (jax.distributed)")
+    hosts.add_argument("--num-hosts", type=int, default=None,
+                       help="processes of one replica across hosts (0: JAX's cluster discovery); host 0 serves HTTP")
+    hosts.add_argument("--host-rank", type=int, default=None, help="this process's rank, 0 .. num-hosts - 1")
+    hosts.add_argument("--coordinator-address", default=None, help="host:port of rank 0's coordinator service")
     return parser
 
 

@@ -50,6 +50,18 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(getattr(stats, field)))
             yield family
+        if stats.router_expert_tokens:  # router load of MoE models (kimi-jax's own names; vLLM has none)
+            family = CounterMetricFamily("kimi_jax:router_expert_tokens",
+                                         "Routed (token, choice) pairs per expert, summed over MoE layers.",
+                                         labels=["model_name", "expert"])
+            for expert, count in enumerate(stats.router_expert_tokens):
+                family.add_metric([self._model_name, str(expert)], float(count))
+            yield family
+            gauge = GaugeMetricFamily("kimi_jax:router_imbalance",
+                                      "Mean over MoE layers of the busiest expert's load over the mean expert load.",
+                                      labels=["model_name"])
+            gauge.add_metric([self._model_name], stats.router_imbalance)
+            yield gauge
 
 
 class RequestTimer:
