@@ -1,10 +1,10 @@
-"""`POST /v1/chat/completions`: render the conversation (serve.chat), generate, parse reasoning / content /
+"""`POST /v1/chat/completions`: render the conversation (kimi_jax.chat), generate, parse reasoning / content /
 tool calls back out of the completion text, streaming or not.
 
 Reasoning: without `--reasoning-parser` (`ServerConfig.split_reasoning` False) `reasoning_content` is never
 set and `content` carries all the text the model wrote, its thinking included; with it, the thinking channel
 is split off into `reasoning_content` and text arrives as `content` whenever the model is outside a thinking
-section (it never opened one, e.g. thinking off, or has closed it). serve.chat.parsed implements the rule.
+section (it never opened one, e.g. thinking off, or has closed it). kimi_jax.chat.parsed implements the rule.
 
 Constrained requests (`response_format` json_object / json_schema, `tool_choice` "required" or a named
 function) are constrained over the whole assistant turn (serve.openai.grammars), so the parsed reply always
@@ -27,8 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
-from serve.chat import K2OutputParser, K3OutputParser, encode_chat, render_k2, render_k3
-from serve.chat.parsed import ParsedDelta, ToolCallDelta
+from kimi_jax.chat import K2OutputParser, K3OutputParser, encode_chat, render_k2, render_k3
+from kimi_jax.chat.parsed import ParsedDelta, ToolCallDelta
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import ConstraintFactory
 from serve.openai.errors import bad_request

@@ -16,7 +16,7 @@ class ServerConfig:
         choice when tools are declared, so without this flag such requests must say "none", "required" or a name.
       split_reasoning: `--reasoning-parser` was given: thinking text is returned as `reasoning_content`, apart
         from `content`. Without it (the default, as in vLLM) `reasoning_content` is never set and the thinking
-        text is part of `content` (serve.chat.parsed states the rule; serve.openai.chat what it means for
+        text is part of `content` (kimi_jax.chat.parsed states the rule; serve.openai.chat what it means for
         constrained requests).
 
     Replies are always parsed with the chat format's parser (content, tool calls, and reasoning when split).

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kimi_jax.tokenizer import load_tokenizer
-from serve.chat import K2OutputParser, K3OutputParser, schema_error
+from kimi_jax.chat import K2OutputParser, K3OutputParser, schema_error
 from serve.openai.constraints import ConstraintFactory, allowed_ids, bitmask_of
 from serve.openai.grammars import MAX_CALLS, K2Grammars, K3Grammars, json_grammar
 

@@ -19,7 +19,7 @@ import llguidance
 import pytest
 from openai import OpenAI
 
-from serve.chat import schema_error
+from kimi_jax.chat import schema_error
 from serve.engine.async_engine import AsyncEngine
 from serve.engine.engine import LLMEngine
 from serve.openai.app import build_app

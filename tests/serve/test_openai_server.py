@@ -1,5 +1,5 @@
 """The OpenAI-compatible server on loopback, driven by the real `openai` client, over the scripted FakeAsyncEngine
-(tiny tokenizer, real serve.chat renderer and parsers, real llguidance constraints)."""
+(tiny tokenizer, real kimi_jax.chat renderer and parsers, real llguidance constraints)."""
 
 import asyncio
 import json
@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kimi_jax.tokenizer import load_tokenizer
-from serve.chat import schema_error
+from kimi_jax.chat import schema_error
 from serve.openai import ServerConfig, build_app
 from serve.openai.background import serve_in_thread
 from tests.serve.fake_engine import FakeAsyncEngine, random_words_reply

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kimi_jax.tokenizer import load_tokenizer
-from serve.chat import encode_chat, prompt_text, render_k2, render_k3
+from kimi_jax.chat import encode_chat, prompt_text, render_k2, render_k3
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather lookup.",

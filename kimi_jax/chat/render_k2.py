@@ -10,8 +10,8 @@ body starts `## Return of CALL_ID\n`. Markers are control segments, all other te
 import json
 from typing import Any
 
-from serve.chat.messages import Message, parse_messages, parse_tools
-from serve.chat.segments import Segment, control, text
+from kimi_jax.chat.messages import Message, parse_messages, parse_tools
+from kimi_jax.chat.segments import Segment, control, text
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 IM_START = {"user": "<|im_user|>", "assistant": "<|im_assistant|>", "system": "<|im_system|>",

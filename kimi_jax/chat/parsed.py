@@ -13,9 +13,9 @@ import dataclasses
 import json
 from typing import Any
 
-from serve.chat.json_schema import schema_error
-from serve.chat.marker_scanner import Event, MarkerScanner
-from serve.chat.messages import tool_schemas
+from kimi_jax.chat.json_schema import schema_error
+from kimi_jax.chat.marker_scanner import Event, MarkerScanner
+from kimi_jax.chat.messages import tool_schemas
 
 
 @dataclasses.dataclass(frozen=True)

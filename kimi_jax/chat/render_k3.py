@@ -9,8 +9,8 @@ text are plain-text segments, so a marker spelled inside user text never becomes
 import json
 from typing import Any
 
-from serve.chat.messages import Message, Part, ToolCall, parse_messages, parse_tools
-from serve.chat.segments import Segment, control, text
+from kimi_jax.chat.messages import Message, Part, ToolCall, parse_messages, parse_tools
+from kimi_jax.chat.segments import Segment, control, text
 
 OPEN, CLOSE, SEP, END_OF_MSG, MEDIA_PAD = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|media_pad|>"
 REASONING_EFFORTS = ("low", "high", "max")

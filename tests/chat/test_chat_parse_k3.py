@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from serve.chat import K3OutputParser, ToolCallDelta
+from kimi_jax.chat import K3OutputParser, ToolCallDelta
 
 from .chat_stream_helpers import parse_in_all_chunkings, stream
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve.chat import schema_error
+from kimi_jax.chat import schema_error
 
 SCHEMA = {"type": "object", "required": ["id"], "additionalProperties": False, "properties": {
     "id": {"type": "integer"},

@@ -2,7 +2,7 @@
 
 import random
 
-from serve.chat import ParsedMessage
+from kimi_jax.chat import ParsedMessage
 
 
 def stream(make_parser, chunks: list[str]) -> tuple[list, ParsedMessage]:

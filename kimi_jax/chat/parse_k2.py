@@ -7,8 +7,8 @@ parse or validate becomes content with its raw text, a call counts only once `<|
 import json
 from typing import Any
 
-from serve.chat.marker_scanner import Event, Marker, MarkerScanner, fixed_token_matcher
-from serve.chat.parsed import ParsedDelta, StreamingOutputParser, raw_text
+from kimi_jax.chat.marker_scanner import Event, Marker, MarkerScanner, fixed_token_matcher
+from kimi_jax.chat.parsed import ParsedDelta, StreamingOutputParser, raw_text
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # K2 ships both spellings

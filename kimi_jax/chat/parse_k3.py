@@ -10,9 +10,9 @@ becomes content with its raw text.
 import json
 from typing import Any
 
-from serve.chat.marker_scanner import Event, Marker, MarkerScanner, xtml_matcher
-from serve.chat.parsed import ParsedDelta, StreamingOutputParser, raw_text
-from serve.chat.render_k3 import CLOSE, END_OF_MSG, OPEN, SEP
+from kimi_jax.chat.marker_scanner import Event, Marker, MarkerScanner, xtml_matcher
+from kimi_jax.chat.parsed import ParsedDelta, StreamingOutputParser, raw_text
+from kimi_jax.chat.render_k3 import CLOSE, END_OF_MSG, OPEN, SEP
 
 THINK, BETWEEN, RESPONSE, TOOLS, CALL, DONE = "think", "between", "response", "tools", "call", "done"
 _VALUE_TYPES = {"number": (int, float), "boolean": (bool,), "null": (type(None),), "object": (dict,),
@@ -77,7 +77,7 @@ class K3OutputParser(StreamingOutputParser):
     thinking: True when the prompt ended with `<|open|>think<|sep|>` (render_k3(thinking=True)), so the
       completion starts inside the think channel; False when it ended with `<|open|>response<|sep|>`.
     tools: the request's tools for validation (see StreamingOutputParser); None accepts any call.
-    split_reasoning: think-channel text as `reasoning` (True) or as content (False; see serve.chat.parsed).
+    split_reasoning: think-channel text as `reasoning` (True) or as content (False; see kimi_jax.chat.parsed).
     constrained: generated under a K3 grammar (see StreamingOutputParser).
     """
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serve.chat import K2OutputParser, ToolCallDelta
+from kimi_jax.chat import K2OutputParser, ToolCallDelta
 
 from .chat_stream_helpers import parse_in_all_chunkings, stream
 
