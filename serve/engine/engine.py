@@ -421,7 +421,8 @@ def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfi
         max_checkpoints_per_seq=config.max_checkpoints_per_seq, num_blocks_override=config.num_blocks_override,
         seed=config.seed, async_scheduling=config.async_scheduling, speculative_config=config.speculative_config)
     spec, compiled = config.speculative_config, base.speculative_config
-    static = ("method", "num_speculative_tokens", "model", "draft_sample_method", "rejection_sample_method")
+    static = ("method", "num_speculative_tokens", "model", "draft_sample_method", "rejection_sample_method",
+              "min_draft_confidence")
     if (spec is None) != (compiled is None) or (spec is not None and any(
             getattr(spec, f) != getattr(compiled, f) for f in static)):
         raise ValueError(f"EngineConfig.speculative_config must match the runner's in {static} (its executables "

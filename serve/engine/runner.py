@@ -144,7 +144,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
                                     batch.draft_rows, plan, greedy_only=greedy_only)
         emitted = spec.num_accepted + 1
     else:
-        sampled = _sample_rows(logits, batch, impl, num_top_logprobs, greedy_only)
+        sampled = _sample_rows(logits, batch, impl, num_top_logprobs, greedy_only, parallel)
         emitted = jnp.ones(n, jnp.int32)
         spec = None if plan is None else SpecTokens(jnp.zeros(n, jnp.int32), sampled.token_ids[:, None],
                                                     jnp.zeros((n, plan.num_tokens), jnp.int32), jnp.zeros(n, jnp.int32))
@@ -164,7 +164,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
 
 
 def _sample_rows(logits: jax.Array, batch: StepBatch, impl: str | None, num_top_logprobs: int,
-                 greedy_only: bool) -> SampledTokens:
+                 greedy_only: bool, parallel) -> SampledTokens:
     """One token per sequence from its last row's logits [N, V] (see ``_run_step`` for the two variants)."""
     rows = logits.shape[0]
     if greedy_only:
