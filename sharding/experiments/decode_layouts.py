@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 import sys
+import time
 
 
 def parse_layout(name: str):
@@ -116,8 +117,10 @@ def hlo_collectives(hlo: str) -> tuple[dict[str, str], dict[str, dict]]:
 
 
 def traced_collective_seconds(run_steps, collective_names: dict[str, str], steps: int, devices: int,
-                              folder: str) -> tuple[float | None, str]:
-    """Device seconds per step and device spent in collectives, from a perfetto trace of ``run_steps()``."""
+                              folder: str) -> tuple[float | None, str, float]:
+    """(seconds per step and device spent in collectives, their source, wall seconds per traced step) from a
+    perfetto trace of ``run_steps()``. The share of a step is taken against the traced step's own wall time:
+    tracing slows the step, so the untraced median would overstate it."""
     import glob
     import gzip
     import json
@@ -128,12 +131,14 @@ def traced_collective_seconds(run_steps, collective_names: dict[str, str], steps
     shutil.rmtree(folder, ignore_errors=True)
     jax.profiler.start_trace(folder, create_perfetto_trace=True)
     try:
+        start = time.perf_counter()
         run_steps()
+        traced_step_s = (time.perf_counter() - start) / steps
     finally:
         jax.profiler.stop_trace()
     files = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
-        return None, "no trace"
+        return None, "no trace", traced_step_s
     with gzip.open(files[0]) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -148,12 +153,10 @@ def traced_collective_seconds(run_steps, collective_names: dict[str, str], steps
         elif "nccl" in name.lower():
             by_nccl += float(e["dur"])
     micros, source = (by_nccl, "nccl kernels") if by_nccl else (by_op, "collective ops")
-    return micros * 1e-6 / (steps * devices), source
+    return micros * 1e-6 / (steps * devices), source, traced_step_s
 
 
 def run_layout(name: str, args, cfg, dtype) -> dict:
-    import time
-
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -222,7 +225,7 @@ def run_layout(name: str, args, cfg, dtype) -> dict:
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
-    collective_s, source = traced_collective_seconds(lambda: jax.block_until_ready(launch(args.trace_steps)),
+    collective_s, source, traced_step_s = traced_collective_seconds(lambda: jax.block_until_ready(launch(args.trace_steps)),
                                                      names, args.trace_steps, mesh.size,
                                                      os.path.join(args.trace_dir, name))
     return dict(layout=name, mesh=shape.label(), devices=mesh.size, impl=resolve_impl(impl), mxfp4_byte_order=order,
@@ -230,7 +233,7 @@ def run_layout(name: str, args, cfg, dtype) -> dict:
                 step_ms=step_s * 1e3, step_ms_p10_p90=[float(np.percentile(times, q)) * 1e3 for q in (10, 90)],
                 tokens_per_s=args.batch / step_s,
                 collective_ms=None if collective_s is None else collective_s * 1e3,
-                collective_share=None if collective_s is None else collective_s / step_s,
+                collective_share=None if collective_s is None else collective_s / traced_step_s,
                 collective_source=source, collectives_per_step=stats, greedy_tokens=decoded,
                 first_logits=first_logits)
 

@@ -5,7 +5,10 @@ and errors. Prints a table; exits 1 if anything failed, 2 if nothing ran (no GPU
 Usage, from the repository root on a GPU machine::
 
     export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
-    python3 tests/gpu/run_suite.py --out $OUT [-k EXPR]
+    python3 tests/gpu/run_suite.py --out $OUT [-k EXPR] [test_kda.py ...]
+
+The suite is compile-bound (each case builds its kernels): on a many-core host, run one process per file
+(``--out $OUT/<file>`` each) side by side. ``gpu_suite.partial.json`` is rewritten after every test.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Recorder:
     """A pytest plugin collecting each test's kernel, outcome, duration and the errors ``check`` recorded."""
 
-    def __init__(self):
-        self.kernel_of, self.tests = {}, {}
+    def __init__(self, partial_path: str | None = None):
+        self.kernel_of, self.tests, self.partial_path = {}, {}, partial_path
 
     def pytest_itemcollected(self, item):
         marker = item.get_closest_marker("kernel")
@@ -44,6 +47,9 @@ class Recorder:
         elif report.outcome == "failed":
             test["outcome"] = "failed" if report.when == "call" else "error"
             test["message"] = str(report.longrepr)[-2000:]
+        if self.partial_path and report.when == "teardown":  # a run cut short still leaves what it finished
+            with open(self.partial_path, "w") as f:
+                json.dump(dict(partial=True, kernels=summarize(self.tests), tests=self.tests), f, indent=1)
 
 
 def summarize(tests: dict) -> dict:
@@ -73,11 +79,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("-k", default=None, help="pytest -k expression (a subset of the suite)")
+    parser.add_argument("files", nargs="*", help="test files of tests/gpu to run (default: all)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    recorder = Recorder()
+    recorder = Recorder(os.path.join(args.out, "gpu_suite.partial.json"))
     start = time.perf_counter()
-    pytest_args = [HERE, "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=--durations=15"]
+    targets = [os.path.join(HERE, os.path.basename(f)) for f in args.files] or [HERE]
+    pytest_args = [*targets, "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=--durations=15"]
     if args.k:
         pytest_args += ["-k", args.k]
     code = pytest.main(pytest_args, plugins=[recorder])
