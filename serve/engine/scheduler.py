@@ -211,8 +211,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        # Aborted and failed requests keep nothing, nor does a request ending while a step is in flight (that step may still
-        # write its live slot); otherwise the live state becomes a checkpoint.
+        # Aborted and failed requests keep nothing, nor does a request ending while a step is in flight (that step
+        # may still write its live slot); otherwise the live state becomes a checkpoint.
         self._retire(request, retain_state=not was_waiting and not self._in_flight
                      and status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
         return request

@@ -102,7 +102,8 @@ def test_admission_control_bounds_the_waiting_queue():
         firsts = [asyncio.ensure_future(s.__anext__()) for s in accepted]
         await asyncio.sleep(0)
         refused = []
-        for request_id, prompt, params in [("full", PROMPTS["j"], greedy(2)), ("n2", PROMPTS["j"], SamplingParams(temperature=0.0, max_tokens=2, n=2))]:
+        n2 = SamplingParams(temperature=0.0, max_tokens=2, n=2)
+        for request_id, prompt, params in [("full", PROMPTS["j"], greedy(2)), ("n2", PROMPTS["j"], n2)]:
             with pytest.raises(EngineOverloadedError, match="sequences are waiting"):
                 await engine.generate(prompt, params, request_id).__anext__()
             refused.append(request_id)
