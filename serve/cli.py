@@ -68,7 +68,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     from serve.engine.async_engine import AsyncEngine
     from serve.engine.data_parallel import build_engine
-    from serve.openai.cli_args import run_server
+    from serve.openai.cli_args import admission_args, run_server
     from sharding.layout import ParallelConfig, init_distributed
 
     start = time.perf_counter()
@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
           f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s; "
           f"{runner.plan.describe()}", file=sys.stderr, flush=True)
     try:
-        run_server(args, AsyncEngine(engine))
+        run_server(args, AsyncEngine(engine, **admission_args(args)))
     finally:
         runner.stop_followers()
     return 0

@@ -111,7 +111,9 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         return Response(status_code=HTTPStatus.OK)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        if config.protect_metrics:
+            authorize(request)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -33,6 +33,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="names clients use in `model` (default: the MODEL argument); the first is reported")
     http.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"),
                       help="require `Authorization: Bearer KEY` on /v1/* (default: $KIMI_JAX_API_KEY, else none)")
+    http.add_argument("--protect-metrics", action="store_true", help="/metrics requires the API key too")
+    http.add_argument("--request-timeout", type=float, default=None,
+                      help="seconds a request may run before it is stopped with a 408 (default: no limit)")
+    http.add_argument("--max-waiting-requests", type=int, default=None,
+                      help="sequences that may wait for admission; beyond, a 503 with Retry-After")
+    http.add_argument("--max-waiting-tokens", type=int, default=None,
+                      help="prompt tokens that may wait for admission; beyond, a 503 with Retry-After")
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     chat = parser.add_argument_group("chat format and parsers")
@@ -119,7 +126,14 @@ def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
     return ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_root=args.model,
                         chat_format=_chat_format(args, engine.tokenizer), api_key=args.api_key,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        split_reasoning=args.reasoning_parser is not None)
+                        split_reasoning=args.reasoning_parser is not None,
+                        request_timeout_s=args.request_timeout, protect_metrics=args.protect_metrics)
+
+
+def admission_args(args: argparse.Namespace) -> dict:
+    """AsyncEngine's admission limits set on the command line (the rest keep their defaults)."""
+    limits = dict(max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens)
+    return {k: v for k, v in limits.items() if v is not None}
 
 
 def build_server(args: argparse.Namespace, engine) -> uvicorn.Server:
