@@ -19,6 +19,7 @@ from serve.engine.config import KV_CACHE_DTYPES, MXFP4_BYTE_ORDERS
 from serve.openai.app import build_app
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import guidance_tokenizer
+from serve.openai.shutdown import DrainingServer
 
 PARSER_FORMATS = {"kimi_k3": "k3", "kimi_k2": "k2"}
 
@@ -40,6 +41,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="sequences that may wait for admission; beyond, a 503 with Retry-After")
     http.add_argument("--max-waiting-tokens", type=int, default=None,
                       help="prompt tokens that may wait for admission; beyond, a 503 with Retry-After")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="on SIGTERM, seconds open streams may run on before they are ended (default: 30)")
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     chat = parser.add_argument_group("chat format and parsers")
@@ -140,7 +143,8 @@ def build_server(args: argparse.Namespace, engine) -> uvicorn.Server:
     """The uvicorn server for `kimi-jax serve` (stop it with `server.should_exit = True`)."""
     app = build_app(engine, server_config_from_args(args, engine))
     guidance_tokenizer(engine.tokenizer)  # built once (about 1 s at 164K vocab), not on the first JSON request
-    return uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return DrainingServer(config, engine, timeout_s=args.shutdown_timeout)
 
 
 async def serve_http(args: argparse.Namespace, engine) -> None:

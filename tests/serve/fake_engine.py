@@ -93,6 +93,13 @@ class FakeAsyncEngine:
         if self.overloaded:
             raise EngineOverloadedError("The server is overloaded: test. Retry after 1 s.", retry_after_s=1)
 
+    @property
+    def num_open_streams(self) -> int:
+        return self._waiting + len(self._running)
+
+    def abort_all(self) -> None:
+        self._abort_requested.update(self._running)
+
     def stats(self) -> EngineStats:
         counters = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
                     "generation_tokens")
