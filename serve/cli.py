@@ -105,11 +105,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_bench(sub) -> None:
     from serve.bench import add_bench_args
+    from serve.bench.soak import add_soak_args
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("serve", help="load generator against an OpenAI-compatible endpoint")
     add_bench_args(p)
     p.set_defaults(func=_bench_serve)
+    p = bench.add_parser("soak", help="concurrent streams with random disconnects, checked against greedy output")
+    add_soak_args(p)
+    p.set_defaults(func=_bench_soak)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -117,6 +121,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     bench_main(args)
     return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from serve.bench.soak import main as soak_main
+
+    return soak_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
