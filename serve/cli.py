@@ -68,7 +68,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     from serve.engine.async_engine import AsyncEngine
     from serve.engine.data_parallel import build_engine
-    from serve.openai.cli_args import run_server
+    from serve.openai.cli_args import admission_args, run_server
     from sharding.layout import ParallelConfig, init_distributed
 
     start = time.perf_counter()
@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
           f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s; "
           f"{runner.plan.describe()}", file=sys.stderr, flush=True)
     try:
-        run_server(args, AsyncEngine(engine))
+        run_server(args, AsyncEngine(engine, **admission_args(args)))
     finally:
         runner.stop_followers()
     return 0
@@ -105,11 +105,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_bench(sub) -> None:
     from serve.bench import add_bench_args
+    from serve.bench.soak import add_soak_args
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("serve", help="load generator against an OpenAI-compatible endpoint")
     add_bench_args(p)
     p.set_defaults(func=_bench_serve)
+    p = bench.add_parser("soak", help="concurrent streams with random disconnects, checked against greedy output")
+    add_soak_args(p)
+    p.set_defaults(func=_bench_soak)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -117,6 +121,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     bench_main(args)
     return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from serve.bench.soak import main as soak_main
+
+    return soak_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

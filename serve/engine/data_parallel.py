@@ -125,6 +125,11 @@ class DataParallelEngine:
         loads = [e.router_load() for e in self.engines]
         return np.sum(loads, axis=0) if loads[0].size else loads[0]
 
+    def waiting_load(self) -> tuple[int, int]:
+        """(sequences waiting for admission, their tokens) over every replica."""
+        loads = [e.waiting_load() for e in self.engines]
+        return sum(n for n, _ in loads), sum(t for _, t in loads)
+
     def stats(self) -> EngineStats:
         each = [e.stats() for e in self.engines]
         load = self.router_load()

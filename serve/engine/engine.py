@@ -21,6 +21,7 @@ n > 1: the request becomes n scheduler requests (``request_id``, ``request_id#1`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import time
@@ -36,6 +37,14 @@ from serve.engine.runner import ModelRunner
 from serve.engine.sampling_params import SamplingParams, TokenConstraint
 from serve.engine.scheduler import Scheduler, SchedulerConfig
 
+logger = logging.getLogger(__name__)
+
+STEP_FAILED_MESSAGE = ("The engine step running this request failed, so the request was stopped and its cache "
+                       "released; other requests were not affected. Retrying it may succeed.")
+DEVICE_LOST_MESSAGE = ("The engine lost its device state while running this request (the cache was rebuilt), so "
+                       "the request was stopped. Retrying it may succeed.")
+OUTPUT_FAILED_MESSAGE = ("Processing this request's output failed, so the request was stopped; other requests were "
+                         "not affected.")
 
 @dataclasses.dataclass
 class StepTiming:
@@ -87,6 +96,7 @@ class _UserRequest:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.completions = completions
+        self.error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,7 +111,7 @@ class _UserRequest:
                                  finished_time=max(done, default=None) if finished else None,
                                  num_cached_tokens=requests[0].num_cached_tokens)
         return RequestOutput(self.request_id, list(self.prompt_token_ids), [c.output() for c in self.completions],
-                             finished, metrics)
+                             finished, metrics, self.error)
 
 
 class _PaddedConstraint:
@@ -276,14 +286,24 @@ class LLMEngine:
             out = self.scheduler.schedule_ahead()
             clock, timing.schedule = _lap(clock)
             if out is not None:
-                ahead = (out, self.runner.execute(out))
+                try:
+                    ahead = (out, self.runner.execute(out))
+                except Exception as err:  # noqa: BLE001 - one failed step must not stop the engine
+                    changed += self._step_failed(out, err)
                 clock, timing.launch = _lap(clock)
         if self._in_flight is not None:
             out, handle = self._in_flight
             self._in_flight = None
-            sampled = handle.result()
-            clock, timing.wait = _lap(clock)
-            changed = self.scheduler.update_from_output(out, sampled)
+            try:
+                sampled = handle.result()
+            except Exception as err:  # noqa: BLE001
+                changed += self._step_failed(out, err)
+                if ahead is not None:  # it was fed this step's tokens
+                    changed += self._step_failed(ahead[0], err)
+                    ahead = None
+            else:
+                clock, timing.wait = _lap(clock)
+                changed += self.scheduler.update_from_output(out, sampled)
             clock, timing.update = _lap(clock)
         if ahead is not None:
             self._in_flight = ahead
@@ -291,17 +311,40 @@ class LLMEngine:
             out = self.scheduler.schedule()
             clock, schedule = _lap(clock)
             timing.schedule += schedule
-            handle = self.runner.execute(out)
-            if out.sequences:
-                self._in_flight = (out, handle)
-            else:
-                self.scheduler.update_from_output(out, handle.result())
+            try:
+                handle = self.runner.execute(out)
+                if out.sequences:
+                    self._in_flight = (out, handle)
+                else:
+                    self.scheduler.update_from_output(out, handle.result())
+            except Exception as err:  # noqa: BLE001
+                changed += self._step_failed(out, err)
             clock, timing.launch = _lap(clock)
         timing.ahead = ahead is not None
         outputs = self._process(changed)
         _, timing.process = _lap(clock)
         self.last_timing = timing
         return outputs
+
+    def _step_failed(self, out, err: BaseException) -> list[Request]:
+        """A launched (or launching) step raised: fail its requests and keep serving. When the device state did
+        not survive (``ModelRunner.recover``), every running request fails and the prefix cache is emptied."""
+        if not self.scheduler.in_flight(out):  # already failed with the step before it
+            return []
+        logger.error("engine step failed; failing its %d request(s)", len(out.sequences), exc_info=err)
+        lost = self.runner.recover()
+        failed = self.scheduler.fail_step(out, DEVICE_LOST_MESSAGE if lost else STEP_FAILED_MESSAGE)
+        if lost:
+            logger.error("the device state was lost with the step: cache pools rebuilt, running requests failed")
+            failed += self.scheduler.fail_running(DEVICE_LOST_MESSAGE)
+            self.scheduler.cache.clear_prefix_cache()
+            self._in_flight = None
+        return failed
+
+    def waiting_load(self) -> tuple[int, int]:
+        """(sequences waiting for admission, their tokens to compute): the queue that admission control bounds."""
+        waiting = self.scheduler.waiting
+        return len(waiting), sum(r.num_tokens for r in waiting)
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -323,9 +366,16 @@ class LLMEngine:
             completion = self._completion_of.get(request.request_id)
             if completion is None:
                 continue
-            self._advance(completion)
             user = self._owner[request.request_id]
             touched[user.request_id] = user
+            try:
+                self._advance(completion)
+            except Exception as err:  # noqa: BLE001 - a detokenizer or stop-string failure ends this request only
+                logger.error("output processing failed for %s", request.request_id, exc_info=err)
+                self._fail_user(user, OUTPUT_FAILED_MESSAGE)
+                continue
+            if request.status == RequestStatus.FINISHED_ERROR:
+                self._fail_user(user, request.error)
         for request_id in self._aborted:
             if request_id in self._requests:
                 touched[request_id] = self._requests[request_id]
@@ -337,9 +387,23 @@ class LLMEngine:
                 self._forget(user)
         return outputs
 
+    def _fail_user(self, user: _UserRequest, message: str) -> None:
+        """End every completion of a user request with finish_reason "error" (siblings of a failed one too: the
+        request cannot be answered in part)."""
+        user.error = user.error or message
+        for completion in user.completions:
+            request = completion.request
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.error = message
+            completion.finish_reason, completion.stop_reason = "error", None
+
     def _advance(self, completion: _Completion) -> None:
         """Detokenise the completion's new tokens and apply stop strings."""
         request = completion.request
+        injector = self.runner.fault_injector
+        if injector is not None:
+            injector.on_detokenize(request.request_id)
         tokens = request.output_token_ids
         new = tokens[completion.num_processed:]
         completion.num_processed = len(tokens)

@@ -11,8 +11,8 @@ import numpy as np
 class CompletionOutput:
     """One of the ``n`` completions of a request; text and ids are cumulative (everything generated so far).
 
-    ``finish_reason`` is None while running, else "stop" | "length" | "abort"; ``stop_reason`` is the stop
-    string or stop token id that ended it (None for EOS, length or abort).
+    ``finish_reason`` is None while running, else "stop" | "length" | "abort" | "error"; ``stop_reason`` is the
+    stop string or stop token id that ended it (None for EOS, length, abort or error).
     """
 
     index: int
@@ -40,11 +40,15 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
+    """``error``: set (with every completion's finish_reason "error") when the engine failed the request: a step
+    that raised, non-finite logits, or output processing that raised; the message is meant for the client."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -74,6 +78,8 @@ class SampledTokens:
     top_token_ids [N, k]  int32  the k most likely tokens, most likely first (k = 0 when not requested)
     top_logprobs  [N, k]  f32    their log-probabilities
     spec          SpecTokens of a speculative engine's step, else None
+    finite        [N]     bool   every logit the row's token came from was finite (False: the request fails;
+                                 None: not checked)
     """
 
     token_ids: np.ndarray
@@ -81,6 +87,7 @@ class SampledTokens:
     top_token_ids: np.ndarray
     top_logprobs: np.ndarray
     spec: SpecTokens | None = None
+    finite: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

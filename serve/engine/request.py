@@ -17,11 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a failed engine step or non-finite logits (``Request.error`` says which)
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -58,6 +59,7 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # why it ended with FINISHED_ERROR (meant for the client)
         self.output_token_ids: list[int] = []
         wants_logprobs = sampling_params.logprobs is not None
         self.output_logprobs: list[dict[int, float]] | None = [] if wants_logprobs else None

@@ -104,7 +104,8 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
     prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
-    ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N], tokens [S] (the sampled ids
+    ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N] with its ``finite`` flag: a row
+    whose logits hold a NaN or an infinity fails alone, whatever the other rows hold), tokens [S] (the sampled ids
     padded with 0, the next step's ``prev_tokens``), new cache, ``router_totals [L_moe, E]`` int32 plus this
     step's router load, draft_probs).
 
@@ -145,6 +146,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         emitted = spec.num_accepted + 1
     else:
         sampled = _sample_rows(logits, batch, impl, num_top_logprobs, greedy_only, parallel)
+        sampled = dataclasses.replace(sampled, finite=jnp.all(jnp.isfinite(logits), axis=-1))
         emitted = jnp.ones(n, jnp.int32)
         spec = None if plan is None else SpecTokens(jnp.zeros(n, jnp.int32), sampled.token_ids[:, None],
                                                     jnp.zeros((n, plan.num_tokens), jnp.int32), jnp.zeros(n, jnp.int32))
@@ -210,14 +212,20 @@ def _poison_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> 
 
 
 class StepHandle:
-    """A launched step. ``result()`` waits for it and returns host SampledTokens with one row per sequence."""
+    """A launched step. ``result()`` waits for it and returns host SampledTokens with one row per sequence.
 
-    def __init__(self, sampled: SampledTokens | None, num_rows: int, with_logprobs: bool):
+    ``on_result``: called first by ``result()`` (a fault injector's hook; it may raise)."""
+
+    def __init__(self, sampled: SampledTokens | None, num_rows: int, with_logprobs: bool,
+                 on_result: Callable[[], None] | None = None):
         self._sampled = sampled
         self._num_rows = num_rows
         self._with_logprobs = with_logprobs
+        self._on_result = on_result
         if sampled is not None and sampled.token_ids.is_fully_addressable:
             sampled.token_ids.copy_to_host_async()
+            if sampled.finite is not None:
+                sampled.finite.copy_to_host_async()
             if sampled.spec is not None:
                 for array in jax.tree.leaves(sampled.spec):
                     array.copy_to_host_async()
@@ -226,6 +234,8 @@ class StepHandle:
                     array.copy_to_host_async()
 
     def result(self) -> SampledTokens:
+        if self._on_result is not None:
+            self._on_result()
         n = self._num_rows
         if self._sampled is None:
             return SampledTokens(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros((0, 0), np.int32),
@@ -234,11 +244,12 @@ class StepHandle:
         token_ids = host(self._sampled.token_ids)[:n]
         s = self._sampled
         spec = None if s.spec is None else jax.tree.map(lambda a: host(a)[:n], s.spec)
+        finite = None if s.finite is None else host(s.finite)[:n]
         if not self._with_logprobs:
             return SampledTokens(token_ids, np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
-                                 np.zeros((n, 0), np.float32), spec)
+                                 np.zeros((n, 0), np.float32), spec, finite)
         return SampledTokens(token_ids, host(s.logprobs)[:n], host(s.top_token_ids)[:n], host(s.top_logprobs)[:n],
-                             spec)
+                             spec, finite)
 
 
 class ModelRunner:
@@ -305,6 +316,8 @@ class ModelRunner:
         self.step_temp_bytes: dict[tuple[int, int, int, bool, bool], int] = {}  # temporaries per step executable
         self._buffers: dict[tuple[int, int, int, bool], WordBuffer] = {}  # per bucket
         self._copy = self._poison = None
+        self.fault_injector = None  # a serve.engine.faults.FaultInjector (tests and the reliability bench)
+        self.num_launches = 0  # steps launched so far (the fault injector's step numbers)
         self._last_launch = None
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
@@ -420,7 +433,24 @@ class ModelRunner:
                        extra_mla_layers=self.num_draft_layers)
         specs = fitted_cache_specs(jax.eval_shape(make), MeshShape.of(self.mesh).sizes())
         self.cache_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
-        return jax.jit(make, out_shardings=self.cache_shardings)()
+        self._make_cache = jax.jit(make, out_shardings=self.cache_shardings)  # kept: recover() calls it again
+        return self._make_cache()
+
+    def recover(self) -> bool:
+        """After a step failed: whether the device state was lost with it. If any pool or carried array can no
+        longer be read (a device error poisons a donated cache), everything is rebuilt as at start-up (zeroed
+        pools, fresh token and router buffers, no recompilation) and True is returned: every request holding
+        cache state must then be failed and the prefix cache emptied (``LLMEngine`` does both)."""
+        try:
+            jax.block_until_ready((self.cache, self._tokens, self._router_totals, self._draft_probs))
+            return False
+        except Exception:  # noqa: BLE001 - whatever broke the arrays, they are replaced
+            self.cache = self._make_cache()
+            self._tokens = self._put(np.zeros(max(self.buckets.seqs), np.int32))
+            self._router_totals = self._put(self._router_host)
+            self._draft_probs = self._initial_draft_probs()
+            self._rows = {}
+            return True
 
     # ---- compilation ----
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -538,15 +568,31 @@ class ModelRunner:
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput) -> StepHandle:
-        """Apply the step's poisoning (test mode) and copies, then launch its forward + sampling (async)."""
+        """Apply the step's poisoning (test mode), scrubs and copies, then launch its forward + sampling (async).
+        Scrubs copy the scratch entry 0 over the pages and slots of failed requests, so the non-finite values a
+        failed step may have written there cannot reach the next owner (the Mosaic-GPU MLA decode kernel
+        multiplies keys past a context by a zero probability, which a NaN survives)."""
         if not self._steps:
             raise RuntimeError("ModelRunner.warm_up() has not run")
         if self._poison is not None:
             self._launch_poison(out.freed_blocks, out.freed_slots)
+        if out.scrub_blocks or out.scrub_slots:  # in their own launches: a scrubbed page may be a copy's target
+            self._launch_copies([(0, b) for b in out.scrub_blocks], [(0, s) for s in out.scrub_slots])
         if out.block_copies or out.slot_copies:
             self._launch_copies(out.block_copies, out.slot_copies)
         if not out.sequences:
             return StepHandle(None, 0, False)
+        step_number, self.num_launches = self.num_launches, self.num_launches + 1
+        on_result = None
+        injector = self.fault_injector
+        if injector is not None:
+            ids = [seq.request_id for seq in out.sequences]
+            readers = [seq for seq in out.sequences if seq.context_len > 0]
+            if self._poison is not None and readers:
+                chosen = set(injector.nan_targets(step_number, [seq.request_id for seq in readers]))
+                self._launch_poison([], [seq.state_slot for seq in readers if seq.request_id in chosen])
+            injector.on_launch(step_number, ids)
+            on_result = partial(injector.on_result, step_number, ids)
         batch, optional, with_logprobs = self.build_batch(out.sequences, verify_len=out.verify_len)
         step = batch.step
         shape = (step.num_tokens, step.num_seqs, step.block_tables.shape[1], step.decode_only)
@@ -565,7 +611,7 @@ class ModelRunner:
                                (words, tuple(a for a in optional if isinstance(a, np.ndarray))))
         sampled = self.launch_step(key, words, optional)
         self._rows = {seq.request_id: i for i, seq in enumerate(out.sequences)}
-        return StepHandle(sampled, len(out.sequences), with_logprobs)
+        return StepHandle(sampled, len(out.sequences), with_logprobs, on_result)
 
     def launch_step(self, key: tuple, words: np.ndarray, optional: tuple) -> SampledTokens:
         """Launch the compiled step ``key`` (a bucket key, or ``("verify", N, P, greedy_only)``) on a packed word

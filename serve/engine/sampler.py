@@ -22,7 +22,7 @@ from serve.engine.outputs import SampledTokens, SpecTokens
 from serve.engine.request import Request
 
 jax.tree_util.register_dataclass(SampledTokens, data_fields=["token_ids", "logprobs", "top_token_ids",
-                                                             "top_logprobs", "spec"], meta_fields=[])
+                                                             "top_logprobs", "spec", "finite"], meta_fields=[])
 jax.tree_util.register_dataclass(SpecTokens, data_fields=["num_accepted", "emitted", "drafts", "num_drafts"],
                                  meta_fields=[])
 

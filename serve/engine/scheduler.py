@@ -32,6 +32,8 @@ from collections import deque
 
 PENDING_TOKEN = -1
 """Placeholder ids are ``PENDING_TOKEN - row``: the token sampled for ``row`` by the step before."""
+NON_FINITE_MESSAGE = ("The model produced non-finite logits (NaN or infinity) for this request, so it was stopped; "
+                      "other requests were not affected.")
 
 import numpy as np
 
@@ -107,7 +109,9 @@ class SchedulerOutput:
     """Everything the runner needs for one step. Execute in this order:
 
     1. (test mode) fill ``freed_blocks`` / ``freed_slots`` with NaN: they are free, nobody may read them;
-    2. ``block_copies`` (src_block, dst_block): copy a whole MLA page in every MLA layer, and
+    2. ``scrub_blocks`` / ``scrub_slots``: overwrite these pages / slots with entry 0 (scratch, finite): they
+       held a failed request, whose last step may have written NaN there; then
+       ``block_copies`` (src_block, dst_block): copy a whole MLA page in every MLA layer, and
        ``slot_copies`` (src_slot, dst_slot): copy the KDA recurrent + conv state in every KDA layer.
        All sources are read before any destination is written (sources and destinations are disjoint);
     3. the forward over ``sequences`` packed in list order (cu_seqlens = [0, cumsum(num_tokens)]), writing
@@ -123,6 +127,8 @@ class SchedulerOutput:
     freed_slots: list[int]
     preempted_request_ids: list[str]
     verify_len: int = 0  # 1 + k in a verification step (every sequence then owns that many rows), else 0
+    scrub_blocks: list[int] = dataclasses.field(default_factory=list)
+    scrub_slots: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -171,6 +177,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._in_flight: deque[SchedulerOutput] = deque()
         self._draining: dict[str, Request] = {}
+        self._scrub: tuple[list[int], list[int]] = ([], [])  # pages, slots of failed requests to overwrite
         self.speculative = speculative
         self.draft_lookahead = draft_lookahead
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * speculative.num_speculative_tokens) \
@@ -204,10 +211,10 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        # Aborted requests keep nothing, nor does a request ending while a step is in flight (that step may still
-        # write its live slot); otherwise the live state becomes a checkpoint.
-        self._retire(request, retain_state=not was_waiting and status != RequestStatus.FINISHED_ABORTED
-                     and not self._in_flight)
+        # Aborted and failed requests keep nothing, nor does a request ending while a step is in flight (that step
+        # may still write its live slot); otherwise the live state becomes a checkpoint.
+        self._retire(request, retain_state=not was_waiting and not self._in_flight
+                     and status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR))
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -267,7 +274,8 @@ class Scheduler:
         sequences = [self._sequence(request, n, positions) for request, n, positions in scheduled]
         block_copies, slot_copies = self.cache.take_copies()
         freed_blocks, freed_slots = self.cache.take_freed()
-        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, preempted)
+        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, preempted,
+                              **self._take_scrubs())
         self._in_flight.append(out)
         return out
 
@@ -304,7 +312,8 @@ class Scheduler:
                 checkpoint_slots=[], is_sampled=True))
         block_copies, slot_copies = self.cache.take_copies()
         freed_blocks, freed_slots = self.cache.take_freed()
-        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [])
+        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [],
+                              **self._take_scrubs())
         self._in_flight.append(out)
         return out
 
@@ -321,17 +330,22 @@ class Scheduler:
         changed = []
         tokens = np.asarray(sampled.token_ids).tolist()
         spec = sampled.spec
+        finite = [True] * len(tokens) if sampled.finite is None else np.asarray(sampled.finite).tolist()
         for row, seq in enumerate(output.sequences):
             request = seq.request
+            if not finite[row]:
+                if self._fail_sequence(seq, NON_FINITE_MESSAGE):
+                    changed.append(request)
+                continue
             if output.verify_len:
                 if self._apply_verified(seq, row, sampled):
                     changed.append(request)
                 continue
-            if self._draining.pop(request.request_id, None) is not None:
+            if request.request_id in self._draining:
                 # it stopped last step; this step fed its final token: keep the complete state
                 request.num_computed_tokens += seq.num_tokens
                 self.cache.on_step_done(request, [])
-                self.cache.free_request(request, retain_state=True)
+                self._drain_done(request, retain_state=True)
                 continue
             if request.status != RequestStatus.RUNNING:
                 self.cache.slots.free_checkpoints(seq.checkpoint_slots)
@@ -357,6 +371,83 @@ class Scheduler:
         if self.speculative is not None and self.speculative.method == "ngram":
             self._propose_ngrams()
         return changed
+
+    # ---- failures ----
+    def in_flight(self, output: SchedulerOutput) -> bool:
+        """Whether ``output`` is a step scheduled and not yet applied or failed."""
+        return any(o is output for o in self._in_flight)
+
+    def fail_step(self, output: SchedulerOutput, message: str) -> list[Request]:
+        """A scheduled step failed (its launch or its result raised): fail every request it holds (``message`` is
+        their error, meant for the client), release their pages, live slots and the step's checkpoint or
+        verification slots, and forget the step. ``output`` may be any step in flight (a step launched ahead
+        fails while the one before it runs). Returns the requests that ended here, in sequence order."""
+        if not self.in_flight(output):
+            raise RuntimeError("fail_step() must get a step in flight")
+        self._in_flight = deque(o for o in self._in_flight if o is not output)
+        scrub_blocks, scrub_slots = self._scrub
+        scrub_blocks += output.scrub_blocks  # the failed launch may never have run them
+        scrub_slots += output.scrub_slots
+        failed = [seq.request for seq in output.sequences if self._fail_sequence(seq, message)]
+        if not self._in_flight:
+            self.cache.release_step_pins()
+        return failed
+
+    def fail_running(self, message: str) -> list[Request]:
+        """Fail every running (and draining) request: the device state they hold was lost. Waiting requests keep
+        their place (they hold no cache state and restart from their tokens)."""
+        failed = list(self.running)
+        for request in failed:
+            self._fail(request, message)
+        for request in list(self._draining.values()):
+            self._drain_done(request, retain_state=False)
+        self._in_flight.clear()
+        self.cache.release_step_pins()
+        return failed
+
+    def _fail_sequence(self, seq: ScheduledSequence, message: str) -> bool:
+        """Fail the request of a step's sequence and release the step's checkpoint slots; True if it was live."""
+        self._release_checkpoint_slots(seq.checkpoint_slots)
+        request = seq.request
+        if request.request_id in self._draining:  # it finished last step: drop its possibly broken final state
+            self._drain_done(request, retain_state=False)
+            return False
+        if request.status != RequestStatus.RUNNING:
+            return False
+        self._fail(request, message)
+        return True
+
+    def _fail(self, request: Request, message: str) -> None:
+        """End a running request with FINISHED_ERROR; its pages and slot are freed (no state kept) and scrubbed."""
+        self._queue_scrub(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        self._retire(request, retain_state=False)
+
+    def _drain_done(self, request: Request, *, retain_state: bool) -> None:
+        del self._draining[request.request_id]
+        if not retain_state:
+            self._queue_scrub(request)
+        self.cache.free_request(request, retain_state=retain_state)
+
+    def _queue_scrub(self, request: Request) -> None:
+        """Pages and the live slot that freeing the request returns to the free lists (shared or indexed pages
+        hold only what successful steps wrote)."""
+        blocks, slots = self.cache.pages.pool, self.cache.slots.pool
+        self._scrub[0].extend(b for b in request.block_table if blocks.refs(b) == 1 and not blocks.holds(b))
+        if request.state_slot and slots.refs(request.state_slot) == 1 and not slots.holds(request.state_slot):
+            self._scrub[1].append(request.state_slot)
+
+    def _release_checkpoint_slots(self, checkpoint_slots: list[int]) -> None:
+        """Free the checkpoint slots of a failed row, scrubbing them (the step may have written NaN there)."""
+        pool = self.cache.slots.pool
+        self._scrub[1].extend(s for s in checkpoint_slots if pool.refs(s) == 1 and not pool.holds(s))
+        self.cache.slots.free_checkpoints(checkpoint_slots)
+
+    def _take_scrubs(self) -> dict[str, list[int]]:
+        blocks, slots = self._scrub
+        self._scrub = ([], [])
+        return {"scrub_blocks": sorted(set(blocks)), "scrub_slots": sorted(set(slots))}
 
     # ---- speculative decoding ----
     def _propose_ngrams(self) -> None:
@@ -430,7 +521,8 @@ class Scheduler:
                 is_sampled=True, num_drafts=m))
         block_copies, slot_copies = self.cache.take_copies()
         freed_blocks, freed_slots = self.cache.take_freed()
-        return SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [], verify_len=tq)
+        return SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [], verify_len=tq,
+                               **self._take_scrubs())
 
     def _release_slots(self, plan: list[tuple[Request, int, list[int]]]) -> None:
         for _, _, slots in plan:

@@ -51,7 +51,8 @@ class SpecPlan:
 
 def verify_rows(logits: jax.Array, step: StepInputs, sampling: SamplingTensors, prev_draft_probs: jax.Array | None,
                 draft_rows: jax.Array, plan: SpecPlan, *, greedy_only: bool) -> tuple[SampledTokens, SpecTokens]:
-    """logits [N*Tq, V] f32 of a verification step -> (the drawn token per sequence, SpecTokens).
+    """logits [N*Tq, V] f32 of a verification step -> (the drawn token per sequence, with its ``finite`` flag over
+    the rows it fed, SpecTokens).
 
     Drafts are the fed tokens after each sequence's first; ``num_drafts`` = valid checkpoint positions - 1.
     ``prev_draft_probs [R, k, V]`` (probabilistic drafting) holds the drafter's distributions of the step before,
@@ -83,7 +84,10 @@ def verify_rows(logits: jax.Array, step: StepInputs, sampling: SamplingTensors, 
     else:
         logprob = jax.nn.log_softmax(processed.reshape(n, tq, vocab)[rows, accepted], axis=-1)[rows, token]
     empty = jnp.zeros((n, 0))
-    sampled = SampledTokens(token, logprob, empty.astype(jnp.int32), empty.astype(jnp.float32))
+    # a row is judged on the logits of the positions it fed (its last token and its drafts), not on padding
+    fed_rows = jnp.arange(tq)[None, :] <= num_drafts[:, None]
+    finite = jnp.all(jnp.all(jnp.isfinite(logits), axis=-1).reshape(n, tq) | ~fed_rows, axis=1)
+    sampled = SampledTokens(token, logprob, empty.astype(jnp.int32), empty.astype(jnp.float32), finite=finite)
     k = plan.num_tokens
     return sampled, SpecTokens(accepted, emitted, jnp.zeros((n, k), jnp.int32), jnp.zeros(n, jnp.int32))
 

@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.openai.chat import ChatHandler
 from serve.openai.completions import CompletionHandler
 from serve.openai.config import ServerConfig
-from serve.openai.errors import APIError, bad_request, from_validation_error, internal_server_error
+from serve.openai.errors import (APIError, bad_request, from_validation_error, internal_server_error,
+                                 service_unavailable)
 from serve.openai.metrics import ServerMetrics
 from serve.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now
 
@@ -76,6 +77,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     completions = CompletionHandler(engine, config, metrics)
     chat = ChatHandler(engine, config, metrics)
     app.state.metrics = metrics
+    app.state.draining = False  # set by DrainingServer on SIGTERM
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -83,6 +85,10 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
         supplied = request.headers.get("authorization", "")
         if not secrets.compare_digest(supplied.encode(), f"Bearer {config.api_key}".encode()):
             raise APIError("Incorrect API key provided.", status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key")
+
+    def refuse_if_draining() -> None:
+        if app.state.draining:
+            raise service_unavailable("The server is shutting down.", retry_after_s=5, code="shutting_down")
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in config.served_model_names:
@@ -108,10 +114,12 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=HTTPStatus.OK)
+        return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE if app.state.draining else HTTPStatus.OK)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        if config.protect_metrics:
+            authorize(request)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -124,6 +132,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         authorize(request)
+        refuse_if_draining()
         body = await _parse(request, CompletionRequest)
         check_model(body.model)
         return await completions.create(body, request)
@@ -131,6 +140,7 @@ def build_app(engine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         authorize(request)
+        refuse_if_draining()
         body = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
         return await chat.create(body, request)

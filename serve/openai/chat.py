@@ -40,8 +40,8 @@ from serve.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice
                                    DeltaToolCall, ResponseFunctionCall, ResponseToolCall, Usage, new_id, now)
 from serve.openai.sampling import (build_sampling_params, check_prompt_length, mask_vocab_size, resolve_max_tokens,
                                    response_format_factory)
-from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, SSEResponse, cancel_on_disconnect,
-                                    generate_or_abort, sse_error_event, sse_event)
+from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, Deadline, SSEResponse, cancel_on_disconnect,
+                                    check_admission, generate_or_abort, sse_error_event, sse_event)
 
 
 CONSTRAINED_THINK_SHARE = 0.5  # of max_tokens, the most a constrained turn may think (with a reasoning parser)
@@ -176,7 +176,9 @@ class ChatHandler:
                                        vocab_size=self._tokenizer.vocab_size, skip_special_tokens=False,
                                        constraint_factory=constraint)
         request_id = new_id("chatcmpl")
-        outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id)
+        check_admission(self._engine, len(plan.prompt_ids), request.n)
+        deadline = Deadline.of(request.timeout, self._config.request_timeout_s)
+        outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id, deadline)
         if request.stream:
             return SSEResponse(self._stream(request, plan, request_id, outputs))
         body = await cancel_on_disconnect(raw_request, self._collect(request, plan, request_id, outputs))

@@ -19,6 +19,7 @@ from serve.engine.config import KV_CACHE_DTYPES, MXFP4_BYTE_ORDERS
 from serve.openai.app import build_app
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import guidance_tokenizer
+from serve.openai.shutdown import DrainingServer
 
 PARSER_FORMATS = {"kimi_k3": "k3", "kimi_k2": "k2"}
 
@@ -33,6 +34,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="names clients use in `model` (default: the MODEL argument); the first is reported")
     http.add_argument("--api-key", default=os.environ.get("KIMI_JAX_API_KEY"),
                       help="require `Authorization: Bearer KEY` on /v1/* (default: $KIMI_JAX_API_KEY, else none)")
+    http.add_argument("--protect-metrics", action="store_true", help="/metrics requires the API key too")
+    http.add_argument("--request-timeout", type=float, default=None,
+                      help="seconds a request may run before it is stopped with a 408 (default: no limit)")
+    http.add_argument("--max-waiting-requests", type=int, default=None,
+                      help="sequences that may wait for admission; beyond, a 503 with Retry-After")
+    http.add_argument("--max-waiting-tokens", type=int, default=None,
+                      help="prompt tokens that may wait for admission; beyond, a 503 with Retry-After")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="on SIGTERM, seconds open streams may run on before they are ended (default: 30)")
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     chat = parser.add_argument_group("chat format and parsers")
@@ -119,14 +129,22 @@ def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
     return ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_root=args.model,
                         chat_format=_chat_format(args, engine.tokenizer), api_key=args.api_key,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        split_reasoning=args.reasoning_parser is not None)
+                        split_reasoning=args.reasoning_parser is not None,
+                        request_timeout_s=args.request_timeout, protect_metrics=args.protect_metrics)
+
+
+def admission_args(args: argparse.Namespace) -> dict:
+    """AsyncEngine's admission limits set on the command line (the rest keep their defaults)."""
+    limits = dict(max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens)
+    return {k: v for k, v in limits.items() if v is not None}
 
 
 def build_server(args: argparse.Namespace, engine) -> uvicorn.Server:
     """The uvicorn server for `kimi-jax serve` (stop it with `server.should_exit = True`)."""
     app = build_app(engine, server_config_from_args(args, engine))
     guidance_tokenizer(engine.tokenizer)  # built once (about 1 s at 164K vocab), not on the first JSON request
-    return uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return DrainingServer(config, engine, timeout_s=args.shutdown_timeout)
 
 
 async def serve_http(args: argparse.Namespace, engine) -> None:

@@ -17,8 +17,8 @@ from serve.openai.metrics import ServerMetrics
 from serve.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, new_id, now
 from serve.openai.sampling import (build_sampling_params, check_prompt_length, mask_vocab_size, resolve_max_tokens,
                                    response_format_factory)
-from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, SSEResponse, cancel_on_disconnect,
-                                    generate_or_abort, merge_streams, sse_error_event, sse_event)
+from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, Deadline, SSEResponse, cancel_on_disconnect,
+                                    check_admission, generate_or_abort, merge_streams, sse_error_event, sse_event)
 
 class CompletionHandler:
     def __init__(self, engine, config: ServerConfig, metrics: ServerMetrics):
@@ -57,7 +57,9 @@ class CompletionHandler:
             logprobs=request.logprobs, vocab_size=self._tokenizer.vocab_size,
             skip_special_tokens=request.skip_special_tokens, constraint_factory=factory) for ids in prompts]
         request_id = new_id("cmpl")
-        streams = [generate_or_abort(self._engine, ids, p, f"{request_id}-{i}")
+        check_admission(self._engine, sum(len(ids) for ids in prompts), request.n * len(prompts))
+        deadline = Deadline.of(request.timeout, self._config.request_timeout_s)
+        streams = [generate_or_abort(self._engine, ids, p, f"{request_id}-{i}", deadline)
                    for i, (ids, p) in enumerate(zip(prompts, params))]
         if request.stream:
             return SSEResponse(self._stream(request, request_id, prompts, streams))

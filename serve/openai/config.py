@@ -14,6 +14,9 @@ class ServerConfig:
       api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
       enable_auto_tool_choice: allow `tool_choice="auto"` (vLLM's --enable-auto-tool-choice); it is the default
         choice when tools are declared, so without this flag such requests must say "none", "required" or a name.
+      request_timeout_s: the longest a request may run (--request-timeout; a request's `timeout` may shorten
+        it); past it the request is stopped with a 408. None: no limit.
+      protect_metrics: /metrics requires the API key too (--protect-metrics).
       split_reasoning: `--reasoning-parser` was given: thinking text is returned as `reasoning_content`, apart
         from `content`. Without it (the default, as in vLLM) `reasoning_content` is never set and the thinking
         text is part of `content` (kimi_jax.chat.parsed states the rule; serve.openai.chat what it means for
@@ -28,12 +31,16 @@ class ServerConfig:
     api_key: str | None = None
     enable_auto_tool_choice: bool = False
     split_reasoning: bool = False
+    request_timeout_s: float | None = None
+    protect_metrics: bool = False
 
     def __post_init__(self):
         if not self.served_model_names:
             raise ValueError("served_model_names must not be empty")
         if self.chat_format not in ("k3", "k2"):
             raise ValueError(f"chat_format must be 'k3' or 'k2', got {self.chat_format!r}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
     @property
     def model_name(self) -> str:

@@ -123,6 +123,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    timeout: float | None = Field(None, gt=0.0, le=86400.0)  # seconds; the request stops with a 408
     response_format: ResponseFormat | None = None
     # extra_body (vLLM names)
     top_k: int | None = Field(None, ge=-1)

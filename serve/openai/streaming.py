@@ -12,6 +12,7 @@ an in-band error event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -22,7 +23,8 @@ from fastapi import Request
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from serve.openai.errors import APIError, internal_server_error
+from serve.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from serve.openai.errors import APIError, engine_failed, internal_server_error, request_timeout, service_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +53,76 @@ def sse_event(payload: BaseModel | dict) -> ServerSentEvent:
     return ServerSentEvent(data, sep=SSE_SEPARATOR)
 
 
-async def generate_or_abort(engine, prompt_token_ids: list[int], params, request_id: str) -> AsyncIterator[Any]:
-    """`engine.generate(...)`, calling `engine.abort(request_id)` if the consumer stops before the last output
-    (client disconnect, task cancellation, an exception in the handler)."""
-    finished = False
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """When a request must have finished: ``at`` on the event loop's clock, ``timeout_s`` after its arrival;
+    ``param`` "timeout" when the client's own `timeout` set it (else the server's --request-timeout did)."""
+
+    at: float
+    timeout_s: float
+    param: str | None
+
+    @classmethod
+    def of(cls, requested_s: float | None, server_s: float | None) -> "Deadline | None":
+        """The tighter of the request's `timeout` and the server's, from now; None when neither is set."""
+        if requested_s is None and server_s is None:
+            return None
+        by_client = server_s is None or (requested_s is not None and requested_s <= server_s)
+        timeout_s = requested_s if by_client else server_s
+        return cls(asyncio.get_running_loop().time() + timeout_s, timeout_s, "timeout" if by_client else None)
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - asyncio.get_running_loop().time())
+
+
+def engine_error(err: Exception) -> APIError | None:
+    """The API error an engine exception is answered with (None: not an engine condition, i.e. a bug)."""
+    if isinstance(err, RequestFailedError):
+        return engine_failed(str(err))
+    if isinstance(err, EngineOverloadedError):
+        return service_unavailable(str(err), retry_after_s=err.retry_after_s, code="server_overloaded")
+    if isinstance(err, EngineDeadError):
+        return service_unavailable("The engine has stopped; this server cannot serve requests.", retry_after_s=5,
+                                   code="engine_stopped")
+    return None
+
+
+def check_admission(engine, num_prompt_tokens: int, n: int) -> None:
+    """Refuse (a 503 with Retry-After) a request the engine's waiting queue has no room for, before a stream
+    starts; a request admitted here may still be refused in its first output if others took the room first."""
     try:
-        async for output in engine.generate(prompt_token_ids, params, request_id):
+        engine.check_admission(num_prompt_tokens, n)
+    except (EngineOverloadedError, EngineDeadError) as err:
+        raise engine_error(err) from err
+
+
+async def generate_or_abort(engine, prompt_token_ids: list[int], params, request_id: str,
+                            deadline: Deadline | None = None) -> AsyncIterator[Any]:
+    """`engine.generate(...)`, calling `engine.abort(request_id)` if the consumer stops before the last output
+    (client disconnect, task cancellation, an exception in the handler) or the deadline passes (then a 408
+    `APIError` is raised). Engine conditions become `APIError`s (`engine_error`)."""
+    finished = False
+    outputs = engine.generate(prompt_token_ids, params, request_id)
+    try:
+        while not finished:
+            try:
+                if deadline is None:
+                    output = await anext(outputs)
+                else:  # on timeout the pending anext is cancelled, which closes the engine stream
+                    output = await asyncio.wait_for(anext(outputs), deadline.remaining())
+            except StopAsyncIteration:
+                return
+            except TimeoutError as err:
+                raise request_timeout(deadline.timeout_s, param=deadline.param) from err
+            except (RequestFailedError, EngineOverloadedError, EngineDeadError) as err:
+                raise engine_error(err) from err
             finished = output.finished
             yield output
     finally:
         if not finished:
             with anyio.CancelScope(shield=True):
                 await engine.abort(request_id)
+                await outputs.aclose()
 
 
 async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import random
 import time
 from collections.abc import Callable
 
 from kimi_jax.tokenizer import IncrementalDetokenizer
+from serve.engine.async_engine import EngineOverloadedError, RequestFailedError
 from serve.engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -78,11 +80,25 @@ class FakeAsyncEngine:
         self.max_num_seqs = max_num_seqs
         self.received: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
+        self.overloaded = False
+        self.fail_after: int | None = None  # steps after which every request fails (output.error set)
         self._abort_requested: set[str] = set()
         self._running: set[str] = set()
         self._waiting = 0
         self._counts = collections.Counter()  # the counter fields of EngineStats
         self._seen_prompts: list[list[int]] = []
+
+    def check_admission(self, num_prompt_tokens: int, n: int = 1) -> None:
+        """Refuse with EngineOverloadedError while `overloaded` is set (tests of the 503)."""
+        if self.overloaded:
+            raise EngineOverloadedError("The server is overloaded: test. Retry after 1 s.", retry_after_s=1)
+
+    @property
+    def num_open_streams(self) -> int:
+        return self._waiting + len(self._running)
+
+    def abort_all(self) -> None:
+        self._abort_requested.update(self._running)
 
     def stats(self) -> EngineStats:
         counters = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
@@ -125,8 +141,10 @@ class FakeAsyncEngine:
                           self.tokenizer.encode(self.reply(prompt_token_ids, params, i), allow_special=True), i)
                 for i in range(params.n)]
         try:
-            while True:
+            for step in itertools.count():
                 await asyncio.sleep(self.step_delay_s)
+                if self.fail_after is not None and step >= self.fail_after:
+                    raise RequestFailedError("The engine step running this request failed; the request was stopped.")
                 if request_id in self._abort_requested:
                     for seq in seqs:
                         seq.finish_reason = seq.finish_reason or "abort"

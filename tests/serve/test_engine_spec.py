@@ -237,3 +237,29 @@ def test_verification_steps_keep_only_the_accepted_state(reference, monkeypatch)
     assert seen and max(seen) > 1
     assert_pools_free(e)
     assert np.all(np.asarray(seen) >= 1)
+
+
+def test_nan_state_in_a_verification_step_fails_only_its_request(reference, monkeypatch):
+    """The live state of "h" turns NaN before a verification step: its rows' logits are non-finite, so it fails
+    alone (its verification slots freed); the others still equal the reference."""
+    from serve.engine.faults import FaultInjector
+
+    oracle(monkeypatch, reference, seed=1, wrong=0.3, empty=0.0)
+    e = engine()
+    runner = e.runner
+    verify_steps = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda out: (verify_steps.append(out.verify_len > 0), execute(out))[1])
+    first = runner.num_launches
+    runner.fault_injector = injector = FaultInjector(nan={first + s: ["h"] for s in range(3, 20)})
+    try:
+        for name in ("a", "d", "h", "k"):
+            e.add_request(name, PROMPTS[name], greedy(NEW))
+        done = run(e)
+    finally:
+        runner.fault_injector = None
+    (kind, step, ids), = injector.fired
+    assert kind == "nan" and ids == ("h",) and verify_steps[step - first]
+    assert done["h"].error and done["h"].outputs[0].finish_reason == "error"
+    assert {n: done[n].outputs[0].token_ids for n in ("a", "d", "k")} == {n: reference[n] for n in ("a", "d", "k")}
+    assert_pools_free(e)
