@@ -1,7 +1,9 @@
-"""The CPU offload tier (``kv_connector.KVConnector`` over ``kv_store.HostKVStore``): prefix entries evicted from
-the device spill to host memory, and a later request resumes from them with greedy outputs identical to a
-recomputation, on a K3-architecture model (AttnRes, LatentMoE) and a Kimi-Linear-style one; no compilation while
-serving; pools free at the end."""
+"""The KV connector (``kv_connector.KVConnector`` over ``kv_store.HostKVStore``) on a K3-architecture model
+(AttnRes, LatentMoE) and a Kimi-Linear-style one, greedy outputs identical to a recomputation in both uses:
+* CPU offload: prefix entries evicted from the device spill to host memory and a later request resumes from them;
+* prefill -> decode: a prefill engine exports a prompt's pages + KDA checkpoint (through the wire format of
+  ``kv_transfer``) and a second engine, with its own pools, continues from them.
+No compilation while serving; pools free at the end (the prefill side's as soon as the export is staged)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from serve.engine import EngineConfig, SamplingParams
 from serve.engine.engine import LLMEngine
 from serve.engine.kv_connector import KVConnector, attach_connector
 from serve.engine.kv_store import HostKVStore
+from serve.engine.kv_transfer import TransferTable, decode, encode, items_for_prompt
 from serve.engine.runner import ModelRunner, backend_compile_count
 
 COMMON = dict(vocab_size=512, hidden_size=32, num_layers=4, layer_types=("kda", "mla", "kda", "mla"),
@@ -37,14 +40,18 @@ MAX_NEW = 6
 
 
 @functools.cache
-def offload_engine(family: str) -> LLMEngine:
+def offload_engine(family: str, role: str = "offload") -> LLMEngine:
     lm = KimiLM(KimiModel(FAMILIES[family], dtype=jnp.float32, rngs=nnx.Rngs(0)), impl="reference")
     runner = ModelRunner(lm, EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                                           block_size=BLOCK, token_buckets=(32,), seq_buckets=(4,),
                                           num_checkpoint_slots=8, memory_budget_bytes=1 << 20, test_mode=True,
                                           compile_threads=2))
     engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
-    attach_connector(engine, KVConnector(HostKVStore(64 << 20), spill=True))
+    if role == "prefill":
+        engine.table = TransferTable(30.0)
+        attach_connector(engine, KVConnector(HostKVStore(0), spill=False, on_export=engine.table.stage))
+    else:
+        attach_connector(engine, KVConnector(HostKVStore(64 << 20), spill=True))
     return engine
 
 
@@ -90,3 +97,56 @@ def test_offload_hit_after_device_eviction_matches_recompute(family):
     assert generate(engine, longer) == want  # recomputed (host tier cleared): same as the resumed run
     assert connector.stats.hit_tokens["cpu"] > hits
     assert_pools_free(engine)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_to_decode_transfer_matches_a_single_engine(family):
+    prefill, decoder = offload_engine(family, "prefill"), offload_engine(family)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (9, 14)]
+    for engine in (prefill, decoder):
+        assert_pools_free(engine)
+    want = generate(decoder, prompts)  # one engine, computed from scratch
+    assert_pools_free(decoder)
+    sender, receiver = prefill.scheduler.cache.connector, decoder.scheduler.cache.connector
+    layout = receiver.copier.layout
+    for i in range(len(prompts)):
+        sender.expect_export(f"r{i}", f"t{i}")
+    firsts = [out[0] for out in _generate_n(prefill, prompts, 1)]
+    assert firsts == [w[0] for w in want]
+    cache = prefill.scheduler.cache
+    pages, slots = cache.pages.pool, cache.slots.pool
+    assert pages.num_referenced == 0 and slots.num_referenced == 0, "the prefill side holds exported blocks"
+    hits = receiver.stats.hit_tokens["remote"]
+    for i, p in enumerate(prompts):
+        items = decode(encode(prefill.table.take(f"t{i}"), layout), layout)
+        mine = items_for_prompt(items, p, BLOCK)
+        assert len(mine) == 1 and mine[0].checkpoint.position == len(p) - 1
+        assert not items_for_prompt(items, prompts[1 - i], BLOCK), "a transfer populated another prompt"
+        for item in mine:
+            item.pages = [_placed(receiver, page) for page in item.pages]
+            ckpt = item.checkpoint
+            ckpt.state = receiver.copier.to_host("slot", ckpt.state)
+            ckpt.tail_page = receiver.copier.to_host("page", ckpt.tail_page) if ckpt.tail else None
+        receiver.insert(mine, owner=f"r{i}")
+    got = generate(decoder, prompts)
+    assert receiver.stats.hit_tokens["remote"] - hits == sum(len(p) - 1 for p in prompts)
+    assert got == want
+    for i in range(len(prompts)):
+        receiver.store.release(f"r{i}")
+    for engine in (prefill, decoder):
+        assert_pools_free(engine)
+
+
+def _placed(connector, page):
+    page.data = connector.copier.to_host("page", page.data)
+    return page
+
+
+def _generate_n(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    return [got[f"r{i}"] for i in range(len(prompts))]
