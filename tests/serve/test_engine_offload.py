@@ -150,3 +150,12 @@ def _generate_n(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
     while engine.has_unfinished_requests():
         got.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
     return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_connector_refuses_an_engine_without_prefix_caching():
+    runner = offload_engine("kimi_linear").runner
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK, enable_prefix_caching=False))
+    with pytest.raises(ValueError, match="enable prefix caching"):
+        attach_connector(engine, KVConnector(HostKVStore(1 << 20), spill=True))
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostKVStore(-1)

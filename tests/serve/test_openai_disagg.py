@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import re
@@ -17,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from serve.openai.cli_args import add_serve_args
+from serve.openai.disagg_args import check_disagg_args
 from tests.sharding_cases import K3_TINY, ROOT, subprocess_env, write_checkpoint
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens",
@@ -125,3 +128,19 @@ def test_killed_decode_replica_gives_an_error_and_frees_the_prefill_side(replica
            or _metric(prefill, "vllm:num_requests_running")):
         assert time.monotonic() < deadline, "the prefill replica still holds the request's blocks"
         time.sleep(0.5)
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--cpu-offload-gb", "-1"], "--cpu-offload-gb"),
+    (["--role", "proxy", "--prefill", "http://a:1"], "--role proxy"),
+    (["--role", "proxy", "--prefill", "ftp://a", "--decode", "http://b:2"], "--prefill"),
+    (["--role", "decode"], "--role decode"),
+    (["--role", "decode", "--kv-transfer-config", "{"], "--kv-transfer-config"),
+    (["--role", "decode", "--kv-transfer-config", '{"peers": ["http://a:1"], "timeout_s": 0}'], "timeout_s"),
+    (["--role", "prefill", "--kv-transfer-config", '{"hosts": []}'], "unknown field"),
+    (["--decode", "http://b:2"], "--role proxy"),
+])
+def test_bad_disagg_flags_name_the_flag(flags, field):
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(flags)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        check_disagg_args(args)
