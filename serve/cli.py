@@ -69,9 +69,19 @@ def _serve(args: argparse.Namespace) -> int:
     from serve.engine.async_engine import AsyncEngine
     from serve.engine.data_parallel import build_engine
     from serve.openai.cli_args import admission_args, run_server
+    from serve.openai.disagg_args import check_disagg_args
     from sharding.layout import ParallelConfig, init_distributed
 
     start = time.perf_counter()
+    try:
+        kv_config = check_disagg_args(args)
+    except ValueError as e:
+        raise SystemExit(f"kimi-jax serve: {e}") from None
+    if args.role == "proxy":  # no engine: it forwards to the prefill and decode replicas
+        from serve.openai.proxy import run_proxy
+
+        run_proxy(args)
+        return 0
     try:
         parallel = ParallelConfig.of(args)
         init_distributed(parallel)  # before anything else touches a JAX backend
@@ -91,13 +101,27 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"[kimi-jax] host {jax.process_index()} ready, following host 0", file=sys.stderr, flush=True)
         runner.follow()
         return 0
+    connector = table = None
+    if args.role is not None or args.cpu_offload_gb > 0:
+        from serve.openai.disagg import build_connector
+
+        try:
+            connector, table = build_connector(engine, role=args.role, cpu_offload_gb=args.cpu_offload_gb,
+                                               config=kv_config)
+        except ValueError as e:
+            raise SystemExit(f"kimi-jax serve: {e}") from None
     replicas = getattr(engine, "num_replicas", 1)
     print(f"[kimi-jax] ready in {time.perf_counter() - start:.1f}s: {runner.shape.label()} on "
           f"{runner.mesh.size} device(s) x {replicas} replica(s), {jax.process_count()} host(s); "
           f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s; "
           f"{runner.plan.describe()}", file=sys.stderr, flush=True)
     try:
-        run_server(args, AsyncEngine(engine, **admission_args(args)))
+        if connector is None:
+            run_server(args, AsyncEngine(engine, **admission_args(args)))
+        else:
+            from serve.openai.disagg import run_kv_server
+
+            run_kv_server(args, AsyncEngine(engine, **admission_args(args)), connector, table, kv_config)
     finally:
         runner.stop_followers()
     return 0

@@ -19,17 +19,25 @@ itself at positions chosen here:
   ``num_computed_tokens`` (no copy): multi-turn chats resume from the previous turn's last state.
 Restoring copies the checkpoint's slot into the request's live slot and the checkpoint's partially filled
 tail page into a fresh page (copy-on-write); both copies are queued for the runner (``take_copies``).
+
+With a ``connector`` (``kv_connector.KVConnector``: the CPU offload tier, or entries pulled from a prefill
+engine) a lookup falls through to host memory: the device's page match is extended by the host's, and a host
+checkpoint later than the device's best wins; its pages and state are loaded into fresh pages and the live slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from serve.engine.block_pool import RefCountedPool
 from serve.engine.kda_slots import KDASlots
 from serve.engine.mla_pages import MLAPages
 from serve.engine.prefix_cache import Checkpoint, PrefixCache, hash_page
 from serve.engine.request import Request
+
+if TYPE_CHECKING:
+    from serve.engine.kv_connector import RemoteHit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +77,8 @@ class PrefixHit:
 
     ``blocks``: the shared full pages (``num_tokens // block_size`` of them); ``checkpoint``: the state to
     restore; ``num_matched_pages``: full pages of the request found in the index (>= len(blocks));
-    ``junction``: the Marconi checkpoint position to export for this request, or None.
+    ``junction``: the Marconi checkpoint position to export for this request, or None; ``remote``: a hit
+    restored from the connector's host tier (then ``checkpoint`` is None and ``blocks`` are its device pages).
     """
 
     num_tokens: int
@@ -77,6 +86,7 @@ class PrefixHit:
     checkpoint: Checkpoint | None
     num_matched_pages: int
     junction: int | None
+    remote: RemoteHit | None = None
 
 
 MISS = PrefixHit(0, [], None, 0, None)
@@ -106,6 +116,7 @@ class CacheManager:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.stats = PrefixCacheStats()
         self._registered_pages: dict[str, int] = {}
+        self.connector = None  # a KVConnector (kv_connector.attach_connector), else None
 
     # ---- capacity ----
     def is_idle(self) -> bool:
@@ -113,9 +124,11 @@ class CacheManager:
         return self.pages.pool.num_referenced == 0 and self.slots.pool.num_referenced == 0
 
     def clear_prefix_cache(self) -> None:
-        """Evict every unreferenced page and checkpoint."""
+        """Evict every unreferenced page and checkpoint (spilled to the host tier when there is one)."""
         while self.prefix.evict_checkpoint() or self.prefix.evict_page():
             pass
+        if self.connector is not None:
+            self.connector.flush_saves()
 
     def checkpoint_count(self) -> int:
         return len(self.prefix.checkpoints)
@@ -131,11 +144,20 @@ class CacheManager:
         path = self.prefix.match_pages(hashes)
         ckpt = self.prefix.find_checkpoint(request.all_token_ids, path, limit)
         hit = ckpt.position if ckpt is not None else 0
-        junction = len(path) * bs
+        matched, remote = len(path), None
+        if self.connector is not None:
+            remote, matched = self.connector.find(hashes, request.all_token_ids, len(path), hit, limit)
+        if remote is not None:
+            hit, ckpt = remote.position, None
+            blocks = [node.block for node in path[:remote.num_device_pages]]
+        else:
+            blocks = [node.block for node in path[:hit // bs]]
+        junction = matched * bs
         has_junction = (0 < junction <= limit and junction - hit >= bs
-                        and () not in path[-1].checkpoints)
-        return PrefixHit(hit, [node.block for node in path[:hit // bs]], ckpt, len(path),
-                         junction if has_junction else None)
+                        and not self._has_checkpoint(request, hashes, junction)
+                        and not (self.connector and self.connector.has_checkpoint(hashes, request.all_token_ids,
+                                                                                  junction)))
+        return PrefixHit(hit, blocks, ckpt, matched, junction if has_junction else None, remote)
 
     def plan_checkpoints(self, request: Request, hit: PrefixHit) -> None:
         """Choose the one-off checkpoint positions (prompt end, Marconi junction) for a request being admitted."""
@@ -164,12 +186,14 @@ class CacheManager:
         if ckpt is not None:
             self.slots.pin(ckpt)  # before any allocation below, which may evict unreferenced checkpoints
             self.prefix.touch(ckpt)
-            for node in self.prefix.match_pages(request.page_hashes[:len(hit.blocks)]):
-                self.prefix.touch(node)
+        for node in self.prefix.match_pages(request.page_hashes[:len(hit.blocks)]):
+            self.prefix.touch(node)
         self.pages.share(request, hit.blocks)
         if self._needs_cow(hit):
             self.pages.copy_on_write(request, ckpt.tail_block)
         self.slots.allocate(request, restore=ckpt)
+        if hit.remote is not None:
+            self.connector.restore(request, hit.remote, self.pages)
         request.num_computed_tokens = hit.num_tokens
         self._registered_pages[request.request_id] = len(hit.blocks)
         if self.enable_prefix_caching:
@@ -214,10 +238,27 @@ class CacheManager:
         if self.enable_prefix_caching and retain_state and request.state_slot and request.num_computed_tokens:
             self._register_pages(request)
             self._register_checkpoint(request, request.num_computed_tokens, request.state_slot)
+        if self.connector is not None:
+            self.connector.request_freed(request, self)
         self.pages.free(request)
         self.slots.free(request)
         request.num_computed_tokens = 0
         self._registered_pages.pop(request.request_id, None)
+
+    def resumable_entries(self, request: Request, position: int
+                          ) -> tuple[list[tuple[bytes, int]], Checkpoint | None, int | None]:
+        """What a request held by this manager resumes from at ``position``: (page hash, block) of its full pages
+        before it, the indexed checkpoint there (None if there is none) and the block of its tail tokens."""
+        bs = self.block_size
+        hashes = self._page_hashes(request)
+        depth = position // bs
+        tail = tuple(request.all_token_ids[depth * bs:position])
+        node = self.prefix.node_at(hashes, depth)
+        ckpt = node.checkpoints.get(tail) if node is not None and position > 0 else None
+        if ckpt is None or len(request.block_table) < depth + (1 if tail else 0):
+            return [], None, None
+        tail_block = request.block_table[depth] if tail else None
+        return list(zip(hashes[:depth], request.block_table[:depth])), ckpt, tail_block
 
     # ---- per-step queues ----
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -50,6 +50,12 @@ class MLAPages:
             self.pool.ref(block)
         request.block_table = list(blocks)
 
+    def append_fresh(self, request: Request) -> int:
+        """Append one new page to the request's table (a host-tier load fills it before the step reads it)."""
+        block = self._take(len(request.block_table))
+        request.block_table.append(block)
+        return block
+
     def copy_on_write(self, request: Request, source: int) -> None:
         """Append a private copy of the shared partial page ``source`` (the copy is queued for the runner; the
         source stays pinned until the step that copies it has run)."""

@@ -11,7 +11,8 @@ Eviction: pages leaf-first in LRU order (a page with children or checkpoints is 
 indexed node's ancestors are indexed); checkpoints by the lowest Marconi-style score
 ``recency + alpha * efficiency`` (recency min-max normalised over the candidates, efficiency = saved tokens
 per byte normalised by the largest), i.e. LRU that prefers keeping checkpoints saving the most compute per
-byte. Only unreferenced entries are candidates.
+byte. Only unreferenced entries are candidates. An ``evictions`` listener (the CPU offload tier,
+``kv_connector.KVConnector``) is told of each evicted entry before its block and slot are released.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class PrefixCache:
         self._leaf_heap: list[tuple[int, int, PageNode]] = []
         self._tiebreak = itertools.count()
         self._clock = 0
+        self.evictions = None  # has page_evicted(hash, block), checkpoint_evicted(node hash, tail, pos, slot, block)
 
     # ---- lookup ----
     def match_pages(self, page_hashes: Sequence[bytes]) -> list[PageNode]:
@@ -151,6 +153,8 @@ class PrefixCache:
         while self._leaf_heap:
             last_access, _, node = heapq.heappop(self._leaf_heap)
             if last_access == node.last_access and self._is_evictable(node):
+                if self.evictions is not None:
+                    self.evictions.page_evicted(node.hash, node.block)
                 self._remove_page(node)
                 return True
         return False
@@ -160,7 +164,10 @@ class PrefixCache:
         candidates = [c for c in self.checkpoints.values() if self.slots.refs(c.slot) == 0]
         if not candidates:
             return False
-        self.remove_checkpoint(min(candidates, key=self._scorer(candidates)))
+        ckpt = min(candidates, key=self._scorer(candidates))
+        if self.evictions is not None:
+            self.evictions.checkpoint_evicted(ckpt.node.hash, ckpt.tail, ckpt.position, ckpt.slot, ckpt.tail_block)
+        self.remove_checkpoint(ckpt)
         return True
 
     def remove_checkpoint(self, ckpt: Checkpoint) -> None:

@@ -15,7 +15,8 @@ the reference ops do contain loops, the Pallas path does not).
 
 Before the forward, the runner applies the scheduler's cache copies (copy-on-write pages, checkpoint
 restores) and, in test mode, fills freed pages and slots with NaN; both are separate small executables
-dispatched only when there is work for them.
+dispatched only when there is work for them. With a KV connector (``kv_connector.py``: CPU offload, prefill /
+decode transfer) its queued device -> host saves go first and its host -> device loads after the copies.
 
 Every executable is compiled at warm-up (``warm_up``), and every step is run once there on an all-padding
 batch so that a step the device cannot run fails at start-up; calling a compiled executable never traces or
@@ -330,6 +331,7 @@ class ModelRunner:
         self._verify_steps: dict[tuple[int, int, bool], jax.stages.Compiled] = {}
         self._verify_buffers: dict[tuple[int, int], WordBuffer] = {}
         self._rows: dict[str, int] = {}  # request id -> its row in the last step (draft_rows of the next)
+        self.connector = None  # a KVConnector (kv_connector.attach_connector) moving entries to and from the host
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up(progress)
@@ -552,8 +554,9 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         """Executables compiled at warm-up (one step per bucket plus a greedy variant per decode bucket, two per
-        verification bucket with speculative decoding, copy, poison in test mode)."""
-        return len(self._steps) + len(self._verify_steps) + (self._copy is not None) + (self._poison is not None)
+        verification bucket with speculative decoding, copy, poison in test mode, a KV connector's copies)."""
+        return (len(self._steps) + len(self._verify_steps) + (self._copy is not None) + (self._poison is not None)
+                + (self.connector.num_executables if self.connector is not None else 0))
 
     @property
     def verify_len(self) -> int:
@@ -574,12 +577,16 @@ class ModelRunner:
         multiplies keys past a context by a zero probability, which a NaN survives)."""
         if not self._steps:
             raise RuntimeError("ModelRunner.warm_up() has not run")
+        if self.connector is not None:  # before anything may overwrite an evicted page or slot
+            self.connector.flush_saves()
         if self._poison is not None:
             self._launch_poison(out.freed_blocks, out.freed_slots)
         if out.scrub_blocks or out.scrub_slots:  # in their own launches: a scrubbed page may be a copy's target
             self._launch_copies([(0, b) for b in out.scrub_blocks], [(0, s) for s in out.scrub_slots])
         if out.block_copies or out.slot_copies:
             self._launch_copies(out.block_copies, out.slot_copies)
+        if self.connector is not None:
+            self.connector.flush_loads()
         if not out.sequences:
             return StepHandle(None, 0, False)
         step_number, self.num_launches = self.num_launches, self.num_launches + 1

@@ -19,6 +19,7 @@ from serve.engine.config import KV_CACHE_DTYPES, MXFP4_BYTE_ORDERS
 from serve.openai.app import build_app
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import guidance_tokenizer
+from serve.openai.disagg_args import add_disagg_args
 from serve.openai.shutdown import DrainingServer
 
 PARSER_FORMATS = {"kimi_k3": "k3", "kimi_k2": "k2"}
@@ -80,6 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     add_parallel_args(parser)
+    add_disagg_args(parser)
     return parser
 
 
