@@ -28,10 +28,13 @@ class KimiLM:
     """A loaded model plus jitted helpers. ``model`` is the nnx module; ``config`` its ModelConfig.
 
     ``parallel``: the ``sharding.Parallel`` of the mesh the parameters are placed on (``kimi_jax.load`` with
-    parallelism flags), or None for one device; caches from :meth:`new_cache` are then placed on it too."""
+    parallelism flags), or None for one device; caches from :meth:`new_cache` are then placed on it too.
+    ``vision``: the checkpoint's vision tower + projector (``kimi_jax.vision.VisionModel``), or None."""
 
-    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed", parallel=None):
+    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed", parallel=None,
+                 vision=None):
         self.model = model
+        self.vision = vision
         self.config: ModelConfig = model.config
         self.impl = impl
         self.parallel = parallel
@@ -221,7 +224,7 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
         model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed)))  # shapes only, no init
         layout = None if parallel is None else (parallel.mesh, parallel.shape.expert_parallel)
         return KimiLM(load_into(model, path_or_preset, progress=progress, layout=layout), impl=impl,
-                      parallel=parallel)
+                      parallel=parallel, vision=_load_vision(path_or_preset, dt))
     if path_or_preset in PRESETS:
         shipped = shipped_checkpoint(path_or_preset)
         if shipped:
@@ -234,6 +237,13 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
             shard_params(model, parallel.mesh, expert_parallel=parallel.shape.expert_parallel)
         return KimiLM(model, impl=impl, parallel=parallel)
     raise ValueError(f"{path_or_preset!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
+
+
+def _load_vision(folder: str, dtype):
+    """The folder's vision tower (its config.json has a ``vision_config``), or None."""
+    from kimi_jax.vision.weights import has_vision, load_vision
+
+    return load_vision(folder, dtype=dtype) if has_vision(folder) else None
 
 
 def _parallel_layout(path_or_preset: str, dtype, mesh, flags: dict):

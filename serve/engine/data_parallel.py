@@ -89,11 +89,12 @@ class DataParallelEngine:
         return choice
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
+                    *, arrival_time: float | None = None, media: Sequence = ()) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica = self.pick_replica(prompt_token_ids)
-        self.engines[replica].add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        self.engines[replica].add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                                          media=media)
         self._owner[request_id] = replica
         self._assigned[replica].add(request_id)
         self.assignments[replica] += 1
