@@ -45,6 +45,8 @@ class DataParallelEngine:
         self.engines = list(engines)
         first = self.engines[0]
         self.tokenizer = first.tokenizer
+        self.vision_config = first.vision_config
+        self.media_rows = min(e.media_rows for e in self.engines)
         self.model_config = first.model_config
         self.runner = first.runner  # for start-up messages; every replica has its own
         self.config = first.config

@@ -144,6 +144,8 @@ class LLMEngine:
         self.config = cfg
         self.tokenizer = tokenizer
         self.model_config = runner.model_config
+        self.vision_config = runner.encoder.config if runner.encoder is not None else None  # None: text only
+        self.media_rows = runner.media_rows
         if tokenizer is not None and tokenizer.vocab_size > self.model_config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only "
                              f"{self.model_config.vocab_size}")

@@ -46,6 +46,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-parser", choices=sorted(PARSER_FORMATS), default=None,
                       help="return the thinking channel as `reasoning_content` (default: no split, the thinking "
                            "text is part of `content`)")
+    chat.add_argument("--allowed-local-media-path", default=None,
+                      help="let image_url parts name file: URLs below this folder (default: data URLs only)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -119,7 +121,8 @@ def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
     return ServerConfig(served_model_names=tuple(args.served_model_name or [args.model]), model_root=args.model,
                         chat_format=_chat_format(args, engine.tokenizer), api_key=args.api_key,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        split_reasoning=args.reasoning_parser is not None)
+                        split_reasoning=args.reasoning_parser is not None,
+                        allowed_local_media_path=args.allowed_local_media_path)
 
 
 def build_server(args: argparse.Namespace, engine) -> uvicorn.Server:

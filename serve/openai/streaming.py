@@ -51,12 +51,14 @@ def sse_event(payload: BaseModel | dict) -> ServerSentEvent:
     return ServerSentEvent(data, sep=SSE_SEPARATOR)
 
 
-async def generate_or_abort(engine, prompt_token_ids: list[int], params, request_id: str) -> AsyncIterator[Any]:
+async def generate_or_abort(engine, prompt_token_ids: list[int], params, request_id: str, *, media=()
+                            ) -> AsyncIterator[Any]:
     """`engine.generate(...)`, calling `engine.abort(request_id)` if the consumer stops before the last output
-    (client disconnect, task cancellation, an exception in the handler)."""
+    (client disconnect, task cancellation, an exception in the handler). `media`: the prompt's images."""
     finished = False
     try:
-        async for output in engine.generate(prompt_token_ids, params, request_id):
+        async for output in engine.generate(prompt_token_ids, params, request_id, **({"media": media} if media
+                                                                                        else {})):
             finished = output.finished
             yield output
     finally:
