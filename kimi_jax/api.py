@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
@@ -80,24 +81,29 @@ class KimiLM:
         return logits.reshape(b, t, -1)
 
     def generate(self, prompts, *, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
+                 media: jax.Array | None = None) -> list[list[int]]:
         """Decode continuations of token-id prompts (a list of lists or an int array ``[B, T]``).
 
         Greedy when ``temperature == 0``. Returns each prompt followed by its new tokens (generation of a
-        sequence stops after a token in ``stop_token_ids``, default the config's EOS)."""
+        sequence stops after a token in ``stop_token_ids``, default the config's EOS). ``media [R, D]``: rows
+        that prompt ids ``vocab_size + r`` stand for (image tokens, see ``kimi_jax.vision.image_rows``)."""
         prompts = [list(map(int, p)) for p in (prompts.tolist() if isinstance(prompts, np.ndarray) else prompts)]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        bad = [t for p in prompts for t in p if not 0 <= t < self.config.vocab_size]
+        limit = self.config.vocab_size + (0 if media is None else media.shape[0])
+        bad = [t for p in prompts for t in p if not 0 <= t < limit]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+            raise ValueError(f"prompt token ids out of range [0, {limit}): {bad[:5]}")
         stops = set(stop_token_ids if stop_token_ids is not None else
                     ([self.config.eos_token_id] if self.config.eos_token_id is not None else []))
         n = len(prompts)
         max_len = max(map(len, prompts)) + max_new_tokens
         cache = self.new_cache(n, max_len)
+        if media is not None:
+            cache = dataclasses.replace(cache, media=jnp.asarray(media, self.dtype))
         key = jax.random.PRNGKey(seed)
         outputs = [list(p) for p in prompts]
         done = [False] * n

@@ -13,13 +13,16 @@ class VisionConfig:
     ``num_layers`` pre-LayerNorm blocks with axial 2D RoPE, final LayerNorm, 2x2 merge; projector LayerNorm ->
     Linear(4*hidden, 4*hidden) -> GELU -> Linear(4*hidden, text_hidden_size).
 
-    ``max_patches``: the largest patch grid (h * w) an image is resized to (serving buckets are built from it).
+    ``head_dim``: 0 for ``hidden_size / num_heads`` (Kimi-K2.5); K3's tower attends with 12 heads of 128 over a
+    1024-wide stream. ``max_patches``: the largest patch grid (h * w) an image is resized to (serving buckets
+    are built from it).
     """
 
     text_hidden_size: int
     hidden_size: int = 1152
     num_layers: int = 27
     num_heads: int = 16
+    head_dim: int = 0
     intermediate_size: int = 4304
     patch_size: int = 14
     pos_emb_height: int = 64
@@ -33,17 +36,22 @@ class VisionConfig:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(f"VisionConfig: head dim {self.hidden_size}/{self.num_heads} must be a multiple of 4 "
-                             "(axial RoPE splits it over rows and columns)")
+        if (not self.head_dim and self.hidden_size % self.num_heads) or self.attn_head_dim % 4:
+            raise ValueError(f"VisionConfig: the head dim ({self.hidden_size}/{self.num_heads} or head_dim) must be a "
+                             "whole multiple of 4 (axial RoPE splits it over rows and columns)")
         if self.merge != (2, 2):
             raise ValueError(f"VisionConfig.merge: only 2x2 merging is supported, got {self.merge}")
         if self.max_patches < self.merge_size:
             raise ValueError(f"VisionConfig.max_patches must be >= {self.merge_size}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def attn_width(self) -> int:
+        """Width of q, k and v: heads x head dim."""
+        return self.num_heads * self.attn_head_dim
 
     @property
     def merge_size(self) -> int:
@@ -70,6 +78,7 @@ class VisionConfig:
             hidden_size=hidden,
             num_layers=vc.get("num_hidden_layers", vc.get("vt_num_hidden_layers", 27)),
             num_heads=vc.get("num_attention_heads", vc.get("vt_num_attention_heads", 16)),
+            head_dim=int(vc.get("head_dim") or 0),
             intermediate_size=vc.get("intermediate_size", vc.get("vt_intermediate_size", 4304)),
             patch_size=vc.get("patch_size", 14),
             pos_emb_height=vc.get("pos_emb_height", vc.get("init_pos_emb_height", 64)),
@@ -88,6 +97,7 @@ class VisionConfig:
         return {"vision_config": {
             "patch_size": self.patch_size, "pos_emb_height": self.pos_emb_height, "pos_emb_width": self.pos_emb_width,
             "num_attention_heads": self.num_heads, "num_hidden_layers": self.num_layers,
+            **({"head_dim": self.head_dim} if self.head_dim else {}),
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "hidden_act": "gelu_pytorch_tanh", "merge_kernel_size": list(self.merge),
             "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},

@@ -64,8 +64,8 @@ def pack_images(images: list[PreparedImage], batch: int, patches: int, cfg: Visi
 class VisionModel(nnx.Module):
     """Tower + projector parameters ([in, out] linear weights; per-block ones stacked over ``num_layers``).
 
-    patch_w [3*P*P, D], patch_b [D], pos_emb [Hp, Wp, D]; per block norm0/norm1 (w, b) [L, D], wqkv [L, D, 3D],
-    wqkv_b [L, 3D], wo [L, D, D], wo_b [L, D], fc0 [L, D, F], fc0_b [L, F], fc1 [L, F, D], fc1_b [L, D];
+    patch_w [3*P*P, D], patch_b [D], pos_emb [Hp, Wp, D]; per block norm0/norm1 (w, b) [L, D], wqkv [L, D, 3A],
+    wqkv_b [L, 3A], wo [L, A, D], wo_b [L, D] (A = heads x head dim), fc0 [L, D, F], fc0_b [L, F], fc1 [L, F, D], fc1_b [L, D];
     final_w/b [D]; projector pre_w/b [D], proj0 [4D, 4D], proj0_b [4D], proj2 [4D, D_text], proj2_b [D_text].
     """
 
@@ -73,12 +73,13 @@ class VisionModel(nnx.Module):
         self.config = cfg
         d, f, n, m, t = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, 4 * cfg.hidden_size, \
             cfg.text_hidden_size
+        a = cfg.attn_width
         self.patch_w = normal(rngs, (cfg.patch_dim, d), cfg.patch_dim ** -0.5, dtype)
         self.patch_b = constant((d,), 0.0, dtype)
         self.pos_emb = normal(rngs, (cfg.pos_emb_height, cfg.pos_emb_width, d), 0.02, dtype)
         self.norm0_w, self.norm0_b = constant((n, d), 1.0, dtype), constant((n, d), 0.0, dtype)
-        self.wqkv, self.wqkv_b = normal(rngs, (n, d, 3 * d), d ** -0.5, dtype), constant((n, 3 * d), 0.0, dtype)
-        self.wo, self.wo_b = normal(rngs, (n, d, d), d ** -0.5 / n ** 0.5, dtype), constant((n, d), 0.0, dtype)
+        self.wqkv, self.wqkv_b = normal(rngs, (n, d, 3 * a), d ** -0.5, dtype), constant((n, 3 * a), 0.0, dtype)
+        self.wo, self.wo_b = normal(rngs, (n, a, d), a ** -0.5 / n ** 0.5, dtype), constant((n, d), 0.0, dtype)
         self.norm1_w, self.norm1_b = constant((n, d), 1.0, dtype), constant((n, d), 0.0, dtype)
         self.fc0, self.fc0_b = normal(rngs, (n, d, f), d ** -0.5, dtype), constant((n, f), 0.0, dtype)
         self.fc1, self.fc1_b = normal(rngs, (n, f, d), f ** -0.5 / n ** 0.5, dtype), constant((n, d), 0.0, dtype)
@@ -118,13 +119,13 @@ def rotate_pairs(x: jax.Array, angles: jax.Array) -> jax.Array:
 
 
 def _block(cfg: VisionConfig, mask: jax.Array, angles: jax.Array, x: jax.Array, p: dict) -> jax.Array:
-    bsz, length, d = x.shape
+    bsz, length, _ = x.shape
     h = layer_norm(x, p["norm0_w"], p["norm0_b"], cfg.norm_eps)
     qkv = linear(h, p["wqkv"]) + p["wqkv_b"].astype(x.dtype)
-    q, k, v = (t.reshape(bsz, length, cfg.num_heads, cfg.head_dim) for t in jnp.split(qkv, 3, axis=-1))
+    q, k, v = (t.reshape(bsz, length, cfg.num_heads, cfg.attn_head_dim) for t in jnp.split(qkv, 3, axis=-1))
     q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
     o = jax.nn.dot_product_attention(q, k, v, mask=mask)
-    x = x + linear(o.reshape(bsz, length, d), p["wo"]) + p["wo_b"].astype(x.dtype)
+    x = x + linear(o.reshape(bsz, length, -1), p["wo"]) + p["wo_b"].astype(x.dtype)
     h = layer_norm(x, p["norm1_w"], p["norm1_b"], cfg.norm_eps)
     h = jax.nn.gelu(linear(h, p["fc0"]) + p["fc0_b"].astype(x.dtype), approximate=True)
     return x + linear(h, p["fc1"]) + p["fc1_b"].astype(x.dtype)
@@ -145,7 +146,7 @@ def encode_tower(model: VisionModel, batch: ImageBatch) -> jax.Array:
     any_valid = batch.valid.any(axis=1, keepdims=True)
     keys = batch.valid | ~any_valid  # an empty padding lane attends to everything rather than to nothing
     mask = keys[:, None, None, :]
-    angles = rope_angles(batch.rows, batch.cols, cfg.head_dim, cfg.rope_theta)
+    angles = rope_angles(batch.rows, batch.cols, cfg.attn_head_dim, cfg.rope_theta)
     params = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
     x, _ = jax.lax.scan(lambda h, p: (_block(cfg, mask, angles, h, p), None), x, params)
     return layer_norm(x, model.final_w[...], model.final_b[...], cfg.norm_eps)
@@ -163,3 +164,16 @@ def project(model: VisionModel, states: jax.Array) -> jax.Array:
 def encode_images(model: VisionModel, batch: ImageBatch) -> jax.Array:
     """Images -> the text-stream rows of their merged tokens [B, L/4, D_text] (model dtype)."""
     return project(model, encode_tower(model, batch))
+
+
+def image_rows(model: VisionModel, images: list[PreparedImage], *, batch: int = 64) -> np.ndarray:
+    """The merged tokens of ``images`` one after another (image i's rows start after those of 0 .. i-1), encoded
+    ``batch`` at a time at the largest patch grid. -> [sum of num_tokens, D_text] float32."""
+    encode = jax.jit(encode_images)
+    rows = []
+    for i in range(0, len(images), batch):
+        group = images[i:i + batch]
+        out = np.asarray(encode(model, jax.tree.map(jnp.asarray, pack_images(group, batch, model.config.max_patches,
+                                                                              model.config))), np.float32)
+        rows += [out[b, :im.num_tokens] for b, im in enumerate(group)]
+    return np.concatenate(rows)

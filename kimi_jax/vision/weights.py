@@ -124,8 +124,8 @@ def load_vision(folder: str, *, dtype=jnp.float32, max_patches: int | None = Non
     return model
 
 
-def vision_tensors(model: VisionModel) -> dict[str, np.ndarray]:
-    """Hub-layout fp32 tensors of a VisionModel (the inverse of ``load_vision``)."""
+def vision_tensors(model: VisionModel, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Hub-layout tensors of a VisionModel in ``dtype`` (the inverse of ``load_vision``)."""
     cfg = model.config
     out = {}
 
@@ -140,12 +140,13 @@ def vision_tensors(model: VisionModel) -> dict[str, np.ndarray]:
         stack = np.asarray(getattr(model, attr)[...], np.float32)
         for i in range(cfg.num_layers):
             out[f"vision_tower.encoder.blocks.{i}.{k}"] = hub(k, stack[i])
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
 
 
-def save_vision(model: VisionModel, folder: str, filename: str = "vision.safetensors") -> None:
-    """Write the tower's tensors beside a text checkpoint and add its ``vision_config`` to config.json."""
-    save_file(vision_tensors(model), os.path.join(folder, filename))
+def save_vision(model: VisionModel, folder: str, filename: str = "vision.safetensors", dtype=np.float32) -> None:
+    """Write the tower's tensors (``dtype``, e.g. ``ml_dtypes.bfloat16``) beside a text checkpoint and add its
+    ``vision_config`` to config.json."""
+    save_file(vision_tensors(model, dtype), os.path.join(folder, filename))
     path = os.path.join(folder, "config.json")
     with open(path) as f:
         config = json.load(f)
