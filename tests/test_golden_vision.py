@@ -80,6 +80,12 @@ def test_comparison_can_fail(model, golden):
     assert _rel(embeds[0, :6], golden["embeds_0"]) > 1e-2
 
 
+def _rotate_half_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' PermuteForRope: each head's interleaved pairs -> its two halves."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def test_transformers_names_load_equal(model, golden, tmp_path):
     """The same weights under transformers' own names (q/k split, rotate-half order) load to the same model."""
     hub = load_file(os.path.join(GOLDEN, "model.safetensors"))
@@ -96,10 +102,8 @@ def test_transformers_names_load_equal(model, golden, tmp_path):
             for a, b in ren.items():
                 out[f"{dst}{b}.{p}"] = hub[f"{src}{a}.{p}"]
             q, k, v = np.split(hub[f"{src}wqkv.{p}"], 3)
-            half = q.shape[0] // heads // 2  # transformers' PermuteForRope: pairs -> halves
-            permute = lambda t: t.reshape(heads, half, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)  # noqa: E731
-            out.update({f"{dst}attn.q_proj.{p}": permute(q), f"{dst}attn.k_proj.{p}": permute(k),
-                        f"{dst}attn.v_proj.{p}": v})
+            out.update({f"{dst}attn.q_proj.{p}": _rotate_half_rows(q, heads),
+                        f"{dst}attn.k_proj.{p}": _rotate_half_rows(k, heads), f"{dst}attn.v_proj.{p}": v})
     save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(open(os.path.join(GOLDEN, "config.json")).read())
     other = load_vision(str(tmp_path))

@@ -30,13 +30,13 @@ import numpy as np
 from flax import nnx
 
 import kimi_jax
+from kimi_jax.tokenizer import load_tokenizer
 from kimi_jax.training import export
 from kimi_jax.training.shapes import TASKS
 from kimi_jax.training.trainer import Schedule
 from kimi_jax.training.vision_data import make_batch
 from kimi_jax.training.vision_eval import evaluate
 from kimi_jax.training.vision_trainer import VisionTrainer
-from kimi_jax.tokenizer import load_tokenizer
 from kimi_jax.vision.config import VisionConfig
 from kimi_jax.vision.tower import VisionModel
 from kimi_jax.vision.weights import save_vision

@@ -11,7 +11,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -42,7 +41,7 @@ class VisionTrainer:
         self.config = lm.config
         self.graphdef, lm_params = split_params(lm)
         self.vision_graphdef, vision_params = nnx.split(vision)
-        f32 = lambda x: jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        f32 = lambda x: jnp.asarray(x, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
         self.params = jax.tree.map(f32, (lm_params, vision_params))
         lm_dtypes = None if jnp.dtype(compute_dtype) == jnp.float32 else param_dtypes(self.config, compute_dtype)
         cfg, graphdef, vgraph = self.config, self.graphdef, self.vision_graphdef

@@ -68,7 +68,8 @@ def check_media(spans: Sequence[ImageSpan], prompt_token_ids: Sequence[int], med
     if not spans:
         return
     if media_rows == 0:
-        raise ValueError("this model has no vision tower: image inputs are not supported")
+        raise ValueError("this engine has no vision encoder (a text-only model, or one served across several "
+                         "hosts): image inputs are not supported")
     if any(s.start < 0 or s.end > len(prompt_token_ids) for s in spans):
         raise ValueError("an image's placeholder positions lie outside the prompt")
     total = sum(s.num_tokens for s in spans)

@@ -333,11 +333,9 @@ class ModelRunner:
 
     # ---- images ----
     def _vision_encoder(self, vision) -> VisionEncoder | None:
-        if vision is None:
-            self.media_rows = 0
+        self.media_rows = 0
+        if vision is None or self.multihost:  # several hosts: the text model alone (followers replay no encoder)
             return None
-        if self.multihost:
-            raise ValueError("images are not served across several hosts yet; serve the text model alone")
         if vision.config.text_hidden_size != self.model_config.hidden_size:
             raise ValueError(f"the vision projector writes width {vision.config.text_hidden_size}; the model's "
                              f"hidden size is {self.model_config.hidden_size}")

@@ -18,8 +18,8 @@ holds the JSON value or the call(s), whatever the model, unless max_tokens runs 
 
 from __future__ import annotations
 
-import dataclasses
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any

@@ -28,7 +28,8 @@ def with_images(engine, config: ServerConfig, request: ChatCompletionRequest, se
     fields = _image_fields(request)
     vision = getattr(engine, "vision_config", None)
     if vision is None:
-        raise bad_request("This model does not accept images (it has no vision tower).", param=fields[0])
+        raise bad_request("This server does not accept images (the model has no vision tower, or it is served "
+                          "across several hosts).", param=fields[0])
     images = []
     for k, url in enumerate(media_refs(segments)):
         field = fields[k] if k < len(fields) else "messages"

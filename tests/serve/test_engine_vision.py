@@ -179,7 +179,7 @@ def test_bad_media_requests_are_value_errors():
     with pytest.raises(ValueError, match="placeholder"):
         find_spans(prompt("red")[0], PAD, [IMAGES["big"]])
     text_only = LLMEngine(runner_without_vision(), config=EngineConfig(block_size=BLOCK))
-    with pytest.raises(ValueError, match="no vision tower"):
+    with pytest.raises(ValueError, match="no vision encoder"):
         text_only.add_request("y", *prompt("red")[:1], greedy(), media=prompt("red")[1])
 
 
