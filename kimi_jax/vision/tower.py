@@ -28,13 +28,13 @@ from kimi_jax.vision.preprocess import PreparedImage, position_taps
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class ImageBatch:
-    """B images padded to L patches (merge-block order; padding patches anywhere after an image's own).
+    """B images padded to L patches (merge-block order; an image's patches first, then padding).
 
     pixels      [B, L, 3*P*P] f32   normalised patches
     rows, cols  [B, L] int32        patch grid coordinates (RoPE)
     taps        [B, L, 16] int32    flattened position-table indices of the bicubic resampling
     tap_weights [B, L, 16] f32      their weights
-    valid       [B, L] bool         real patches
+    valid       [B, L] bool         real patches (a prefix of each lane)
     """
 
     pixels: jax.Array
@@ -118,13 +118,14 @@ def rotate_pairs(x: jax.Array, angles: jax.Array) -> jax.Array:
     return jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape).astype(x.dtype)
 
 
-def _block(cfg: VisionConfig, mask: jax.Array, angles: jax.Array, x: jax.Array, p: dict) -> jax.Array:
+def _block(cfg: VisionConfig, lengths: jax.Array, attention: str | None, angles: jax.Array, x: jax.Array,
+           p: dict) -> jax.Array:
     bsz, length, _ = x.shape
     h = layer_norm(x, p["norm0_w"], p["norm0_b"], cfg.norm_eps)
     qkv = linear(h, p["wqkv"]) + p["wqkv_b"].astype(x.dtype)
     q, k, v = (t.reshape(bsz, length, cfg.num_heads, cfg.attn_head_dim) for t in jnp.split(qkv, 3, axis=-1))
     q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
-    o = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    o = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation=attention)
     x = x + linear(o.reshape(bsz, length, -1), p["wo"]) + p["wo_b"].astype(x.dtype)
     h = layer_norm(x, p["norm1_w"], p["norm1_b"], cfg.norm_eps)
     h = jax.nn.gelu(linear(h, p["fc0"]) + p["fc0_b"].astype(x.dtype), approximate=True)
@@ -135,20 +136,20 @@ BLOCK_PARAMS = ("norm0_w", "norm0_b", "wqkv", "wqkv_b", "wo", "wo_b", "norm1_w",
                 "fc1_b")
 
 
-def encode_tower(model: VisionModel, batch: ImageBatch) -> jax.Array:
-    """The tower: -> final-LayerNormed patch states [B, L, D] (model dtype)."""
+def encode_tower(model: VisionModel, batch: ImageBatch, attention: str | None = None) -> jax.Array:
+    """The tower: -> final-LayerNormed patch states [B, L, D] (model dtype). ``attention``: the implementation of
+    ``jax.nn.dot_product_attention`` (None: XLA; "cudnn" on a GPU in bf16)."""
     cfg = model.config
     dtype = model.dtype
     x = linear(batch.pixels.astype(dtype), model.patch_w[...]) + model.patch_b[...]
     table = model.pos_emb[...].reshape(-1, cfg.hidden_size).astype(F32)
     pos = jnp.einsum("blt,bltd->bld", batch.tap_weights, table[batch.taps])
     x = (x.astype(F32) + pos).astype(dtype)
-    any_valid = batch.valid.any(axis=1, keepdims=True)
-    keys = batch.valid | ~any_valid  # an empty padding lane attends to everything rather than to nothing
-    mask = keys[:, None, None, :]
+    lengths = batch.valid.sum(axis=1, dtype=jnp.int32)
+    lengths = jnp.where(lengths > 0, lengths, x.shape[1])  # an empty lane attends to everything, not to nothing
     angles = rope_angles(batch.rows, batch.cols, cfg.attn_head_dim, cfg.rope_theta)
     params = {name: getattr(model, name)[...] for name in BLOCK_PARAMS}
-    x, _ = jax.lax.scan(lambda h, p: (_block(cfg, mask, angles, h, p), None), x, params)
+    x, _ = jax.lax.scan(lambda h, p: (_block(cfg, lengths, attention, angles, h, p), None), x, params)
     return layer_norm(x, model.final_w[...], model.final_b[...], cfg.norm_eps)
 
 
@@ -161,9 +162,9 @@ def project(model: VisionModel, states: jax.Array) -> jax.Array:
     return linear(h, model.proj2[...]) + model.proj2_b[...]
 
 
-def encode_images(model: VisionModel, batch: ImageBatch) -> jax.Array:
+def encode_images(model: VisionModel, batch: ImageBatch, attention: str | None = None) -> jax.Array:
     """Images -> the text-stream rows of their merged tokens [B, L/4, D_text] (model dtype)."""
-    return project(model, encode_tower(model, batch))
+    return project(model, encode_tower(model, batch, attention))
 
 
 def image_rows(model: VisionModel, images: list[PreparedImage], *, batch: int = 64) -> np.ndarray:

@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grid", type=int, nargs="+", default=[32, 64], help="patch grid sides (32: 448 px images)")
     ap.add_argument("--batch", type=int, default=8, help="images per launch")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--attention", choices=("xla", "cudnn"), default="xla",
+                    help="jax.nn.dot_product_attention implementation (cudnn: GPU, bf16)")
     ap.add_argument("--dtype", default="bfloat16" if jax.default_backend() == "gpu" else "float32")
     return ap.parse_args(argv)
 
@@ -63,7 +65,7 @@ def bench(args, grid: int) -> dict:
     cache = HybridCache(mla=jnp.zeros((1, 1, 1, 1)), kda_state=jnp.zeros((1, 1, 1, 1, 1)),
                         kda_conv=jnp.zeros((1, 1, 1, 1)), media=jnp.zeros((rows, args.text_hidden), model.dtype))
     shardings = jax.tree.map(lambda _: replicated, cache)
-    encoder = VisionEncoder(model, args.batch, replicated)
+    encoder = VisionEncoder(model, args.batch, replicated, attention=args.attention)
     start = time.perf_counter()
     lowered = encoder.lower(cache, shardings)
     encoder.set_compiled({key: lo.compile() for key, lo in lowered.items()})
@@ -79,7 +81,7 @@ def bench(args, grid: int) -> dict:
         times.append(time.perf_counter() - start)
     launch = float(np.median(times))
     params = sum(np.size(x) for x in jax.tree.leaves(nnx.state(model)))
-    return dict(device=jax.devices()[0].device_kind, dtype=args.dtype, layers=args.layers, hidden=args.hidden,
+    return dict(device=jax.devices()[0].device_kind, dtype=args.dtype, attention=args.attention, layers=args.layers, hidden=args.hidden,
                 heads=args.heads, head_dim=args.head_dim, params_m=round(params / 1e6, 1), grid=grid,
                 pixels=grid * 14, tokens_per_image=grid * grid // 4, batch=args.batch,
                 launch_ms=round(launch * 1e3, 2), images_per_s=round(args.batch / launch, 1),

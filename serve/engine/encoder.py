@@ -32,22 +32,24 @@ def patch_buckets(max_patches: int, smallest: int = 64) -> tuple[int, ...]:
     return tuple(sizes + [max_patches])
 
 
-def _encode(graphdef, params, cache: HybridCache, batch: ImageBatch, dest: jax.Array) -> HybridCache:
+def _encode(graphdef, attention, params, cache: HybridCache, batch: ImageBatch, dest: jax.Array) -> HybridCache:
     """dest [B, L/4] int32: the pool row of each merged token (0 for padding)."""
-    out = encode_images(nnx.merge(graphdef, params), batch)
+    out = encode_images(nnx.merge(graphdef, params), batch, attention)
     media = cache.media.at[dest.reshape(-1)].set(out.reshape(-1, out.shape[-1]).astype(cache.media.dtype))
     return dataclasses.replace(cache, media=media)
 
 
 class VisionEncoder:
-    """Compiled encoder executables of one vision tower (parameters replicated over ``sharding``'s mesh)."""
+    """Compiled encoder executables of one vision tower (parameters replicated over ``sharding``'s mesh);
+    ``attention``: see ``kimi_jax.vision.tower.encode_tower``."""
 
-    def __init__(self, vision: VisionModel, batch: int, sharding):
+    def __init__(self, vision: VisionModel, batch: int, sharding, *, attention: str | None = None):
         self.config = vision.config
         self.batch = batch
         self.buckets = patch_buckets(self.config.max_patches)
         graphdef, state = nnx.split(vision)
         self._graphdef = graphdef
+        self._attention = attention
         self._params = jax.device_put(state, sharding)
         self._sharding = sharding
         self._compiled: dict[int, jax.stages.Compiled] = {}
@@ -55,7 +57,8 @@ class VisionEncoder:
 
     def lower(self, cache: HybridCache, cache_shardings) -> dict[tuple, jax.stages.Lowered]:
         """Lowered executables keyed ("encode", L)."""
-        fn = jax.jit(partial(_encode, self._graphdef), donate_argnums=(1,), out_shardings=cache_shardings)
+        fn = jax.jit(partial(_encode, self._graphdef, self._attention), donate_argnums=(1,),
+                     out_shardings=cache_shardings)
         lowered = {}
         for size in self.buckets:
             batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding),
