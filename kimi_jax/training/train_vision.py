@@ -53,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     ap.add_argument("--batch", type=int, default=64 if gpu else 4)
     ap.add_argument("--seq-len", type=int, default=192, help="tokens per row (the thinking-on prompt is ~170)")
+    ap.add_argument("--thinking-share", type=float, default=0.75, help="rows rendered with thinking on")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the tower and projector")
     ap.add_argument("--lm-lr-scale", type=float, default=0.3, help="the language model's share of --lr")
     ap.add_argument("--warmup", type=int, default=40)
@@ -124,7 +125,8 @@ def main(argv=None) -> dict:
     vision = VisionModel(vcfg, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
     trainer = VisionTrainer(lm, vision, compute_dtype=jnp.dtype(args.compute_dtype), lm_lr_scale=args.lm_lr_scale)
     rng = random.Random(args.seed)
-    batches = _prefetch(lambda: make_batch(rng, tokenizer, vcfg, lm.config.vocab_size, args.batch, args.seq_len))
+    batches = _prefetch(lambda: make_batch(rng, tokenizer, vcfg, lm.config.vocab_size, args.batch, args.seq_len,
+                                           thinking_share=args.thinking_share))
     schedule = Schedule(args.lr, args.warmup, args.steps)
     losses, step = [], 0
     train_start = time.perf_counter()

@@ -20,6 +20,7 @@ from kimi_jax.vision.preprocess import prepare_pil
 from kimi_jax.vision.tower import image_rows
 
 CHUNK = 64  # prompts decoded together
+MAX_NEW_TOKENS = 24  # thinking on: the empty think channel, a one-word response and the closing markers take ~17
 
 
 def answer_text(tokenizer, new_ids: list[int]) -> str:
@@ -52,7 +53,7 @@ def evaluate(folder: str, *, seed: int, per_task: int, dtype: str | None = None
             ids[where] = vocab + offset + np.arange(len(where))
             offset += len(where)
             prompts.append(ids.tolist())
-        outs = lm.generate(prompts, max_new_tokens=16, stop_token_ids=[stop], media=jnp.asarray(rows))
+        outs = lm.generate(prompts, max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[stop], media=jnp.asarray(rows))
         for case, prompt, out in zip(group, prompts, outs):
             got = answer_text(tokenizer, out[len(prompt):])
             correct[case.task] += got == case.answer
