@@ -36,8 +36,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
-        self.vision_config = engine.vision_config
-        self.media_rows = engine.media_rows
+        self.vision_config = getattr(engine, "vision_config", None)
+        self.media_rows = getattr(engine, "media_rows", 0)
         self._idle_wait_s = idle_wait_s
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
