@@ -7,6 +7,7 @@ import random
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import kimi_jax
@@ -17,6 +18,7 @@ from kimi_jax.tokenizer import load_tokenizer
 from kimi_jax.training import export, train_vision
 from kimi_jax.training.shapes import COLOURS, SHAPES, TASKS, make_example, shape_scene
 from kimi_jax.training.vision_data import make_batch, prompt_ids, row_ids
+from kimi_jax.training.vision_eval import TEXT_PROMPTS, text_check
 from kimi_jax.vision import VisionConfig
 from kimi_jax.vision.preprocess import prepare_pil
 
@@ -84,7 +86,22 @@ def test_two_steps_write_a_servable_checkpoint(tmp_path):
     assert set(result["accuracy"]) == set(TASKS) and result["steps"] == 2
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["vision_config"]["hidden_size"] == 32
-    assert "## Vision" in open(os.path.join(out, "TRAINING.md")).read()
+    report = open(os.path.join(out, "TRAINING.md")).read()
+    assert "## Vision" in report and "| What does os.path.join do? |" in report
+    assert len(result["text_check"]["pairs"]) == len(TEXT_PROMPTS) and 0 <= result["text_check"]["same_reply"] <= 1
     lm = kimi_jax.load(out, "float32")
     assert lm.vision is not None and lm.vision.config.text_hidden_size == lm.config.hidden_size
     assert load_tokenizer(out).special_tokens[MEDIA_PAD] == load_tokenizer("tiny").special_tokens[MEDIA_PAD]
+
+
+def test_text_check_counts_unchanged_and_empty_replies():
+    check = text_check(["a", "b", ""], ["a", "c", "d"], prompts=("p", "q", "r"))
+    assert check["same_reply"] == pytest.approx(1 / 3)
+    assert check["nonempty_base"] == pytest.approx(2 / 3) and check["nonempty_new"] == 1.0
+    assert check["pairs"][1] == dict(prompt="q", base="b", new="c")
+
+
+def test_time_budget_fits_the_step_count():
+    assert train_vision.steps_within(100.0, 0.5, 21, 600) == 221
+    assert train_vision.steps_within(1000.0, 0.5, 21, 600) == 600  # capped at --steps
+    assert train_vision.steps_within(-5.0, 0.5, 21, 600) == 21  # already over: stop now

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kimi_jax
-from kimi_jax.chat import K3OutputParser
+from kimi_jax.chat import K3OutputParser, encode_chat, render_k3
 from kimi_jax.chat.media import MEDIA_PAD
 from kimi_jax.tokenizer import load_tokenizer
 from kimi_jax.training.shapes import TASKS, make_example
@@ -19,6 +19,11 @@ from kimi_jax.training.vision_data import prompt_ids
 from kimi_jax.vision.preprocess import prepare_pil
 from kimi_jax.vision.tower import image_rows
 
+# Text-only chat prompts (no image) whose greedy replies are compared before and after vision training.
+TEXT_PROMPTS = ("What does os.path.join do?", "Write a function that returns the sum of a list.", "Hello!",
+                "What does json.dumps do?", "Explain what a Python generator is.", "What is 12 + 30?",
+                "What does re.compile return?", "Write a class with an __init__ method.")
+TEXT_NEW_TOKENS = 48
 CHUNK = 64  # prompts decoded together
 MAX_NEW_TOKENS = 24  # thinking on: the empty think channel, a one-word response and the closing markers take ~17
 
@@ -63,3 +68,23 @@ def evaluate(folder: str, *, seed: int, per_task: int, dtype: str | None = None
     chance = {task: collections.Counter(c.answer for c in cases if c.task == task).most_common(1)[0][1] / per_task
               for task in TASKS}
     return accuracy, chance, examples
+
+
+def text_replies(folder: str, prompts=TEXT_PROMPTS, dtype: str | None = None) -> list[str]:
+    """Greedy replies (``content``, thinking on) of the folder's model to text-only chat prompts."""
+    import jax
+
+    lm = kimi_jax.load(folder, dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
+    tokenizer = load_tokenizer(folder)
+    ids = [encode_chat(tokenizer, render_k3([{"role": "user", "content": p}], thinking=True)) for p in prompts]
+    outs = lm.generate(ids, max_new_tokens=TEXT_NEW_TOKENS, stop_token_ids=[tokenizer.special_tokens["<|end_of_msg|>"]])
+    return [answer_text(tokenizer, out[len(i):]) for i, out in zip(ids, outs)]
+
+
+def text_check(base_replies: list[str], new_replies: list[str], prompts=TEXT_PROMPTS) -> dict:
+    """How far vision training moved text chat: share of prompts answered exactly as the base did, non-empty
+    replies before / after, and each prompt's pair of replies."""
+    return dict(same_reply=sum(a == b for a, b in zip(base_replies, new_replies)) / len(prompts),
+                nonempty_base=sum(bool(a) for a in base_replies) / len(prompts),
+                nonempty_new=sum(bool(b) for b in new_replies) / len(prompts),
+                pairs=[dict(prompt=p, base=a, new=b) for p, a, b in zip(prompts, base_replies, new_replies)])
