@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
@@ -28,10 +29,13 @@ class KimiLM:
     """A loaded model plus jitted helpers. ``model`` is the nnx module; ``config`` its ModelConfig.
 
     ``parallel``: the ``sharding.Parallel`` of the mesh the parameters are placed on (``kimi_jax.load`` with
-    parallelism flags), or None for one device; caches from :meth:`new_cache` are then placed on it too."""
+    parallelism flags), or None for one device; caches from :meth:`new_cache` are then placed on it too.
+    ``vision``: the checkpoint's vision tower + projector (``kimi_jax.vision.VisionModel``), or None."""
 
-    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed", parallel=None):
+    def __init__(self, model: KimiModel, *, impl: str | None = None, mla_form: str = "absorbed", parallel=None,
+                 vision=None):
         self.model = model
+        self.vision = vision
         self.config: ModelConfig = model.config
         self.impl = impl
         self.parallel = parallel
@@ -77,24 +81,29 @@ class KimiLM:
         return logits.reshape(b, t, -1)
 
     def generate(self, prompts, *, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
+                 media: jax.Array | None = None) -> list[list[int]]:
         """Decode continuations of token-id prompts (a list of lists or an int array ``[B, T]``).
 
         Greedy when ``temperature == 0``. Returns each prompt followed by its new tokens (generation of a
-        sequence stops after a token in ``stop_token_ids``, default the config's EOS)."""
+        sequence stops after a token in ``stop_token_ids``, default the config's EOS). ``media [R, D]``: rows
+        that prompt ids ``vocab_size + r`` stand for (image tokens, see ``kimi_jax.vision.image_rows``)."""
         prompts = [list(map(int, p)) for p in (prompts.tolist() if isinstance(prompts, np.ndarray) else prompts)]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        bad = [t for p in prompts for t in p if not 0 <= t < self.config.vocab_size]
+        limit = self.config.vocab_size + (0 if media is None else media.shape[0])
+        bad = [t for p in prompts for t in p if not 0 <= t < limit]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+            raise ValueError(f"prompt token ids out of range [0, {limit}): {bad[:5]}")
         stops = set(stop_token_ids if stop_token_ids is not None else
                     ([self.config.eos_token_id] if self.config.eos_token_id is not None else []))
         n = len(prompts)
         max_len = max(map(len, prompts)) + max_new_tokens
         cache = self.new_cache(n, max_len)
+        if media is not None:
+            cache = dataclasses.replace(cache, media=jnp.asarray(media, self.dtype))
         key = jax.random.PRNGKey(seed)
         outputs = [list(p) for p in prompts]
         done = [False] * n
@@ -221,7 +230,7 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
         model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dt, rngs=nnx.Rngs(seed)))  # shapes only, no init
         layout = None if parallel is None else (parallel.mesh, parallel.shape.expert_parallel)
         return KimiLM(load_into(model, path_or_preset, progress=progress, layout=layout), impl=impl,
-                      parallel=parallel)
+                      parallel=parallel, vision=_load_vision(path_or_preset, dt))
     if path_or_preset in PRESETS:
         shipped = shipped_checkpoint(path_or_preset)
         if shipped:
@@ -234,6 +243,13 @@ def load(path_or_preset: str, dtype="bfloat16", *, seed: int = 0, impl: str | No
             shard_params(model, parallel.mesh, expert_parallel=parallel.shape.expert_parallel)
         return KimiLM(model, impl=impl, parallel=parallel)
     raise ValueError(f"{path_or_preset!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
+
+
+def _load_vision(folder: str, dtype):
+    """The folder's vision tower (its config.json has a ``vision_config``), or None."""
+    from kimi_jax.vision.weights import has_vision, load_vision
+
+    return load_vision(folder, dtype=dtype) if has_vision(folder) else None
 
 
 def _parallel_layout(path_or_preset: str, dtype, mesh, flags: dict):

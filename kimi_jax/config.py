@@ -230,7 +230,8 @@ _IGNORED = {
     "generation_config", "is_decoder", "return_dict", "chunk_size_feed_forward", "tie_encoder_decoder",
     "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type",
     "dense_ffn_hidden", "tokenizer_class", "vision_config", "media_placeholder_token_id",
-    "image_token_id", "video_token_id", "ignore_index", "projector_hidden_act",
+    "image_token_id", "video_token_id", "ignore_index", "projector_hidden_act", "projection_hidden_size",
+    "projection_layer_norm_eps",
 }
 _LINEAR_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "kda_layers", "full_attn_layers",
                 "gate_lower_bound", "use_full_rank_gate", "num_v_heads", "v_head_dim"}

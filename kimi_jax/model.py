@@ -114,7 +114,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     cfg = model.config
     layout = token_layout(step)
     router_stats = [] if aux is not None and cfg.moe_layers else None
-    x = model.embed[step.token_ids]
+    x = embed_tokens(model, step.token_ids, cache.media)
     kda_j, mla_j = _stack_index(cfg.kda_layers), _stack_index(cfg.mla_layers)
     dense_j, moe_j = _stack_index(cfg.dense_layers), _stack_index(cfg.moe_layers)
     state, conv, pages, scales = cache.kda_state, cache.kda_conv, cache.mla, cache.mla_scales
@@ -187,7 +187,18 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
         aux["router_counts"] = jnp.stack(router_stats)
     if taps:
         aux["taps"] = jnp.stack([tapped[i] for i in taps])
-    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales)
+    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales, media=cache.media)
+
+
+def embed_tokens(model: KimiModel, token_ids: jax.Array, media: jax.Array | None) -> jax.Array:
+    """Input rows [T, D]: token embeddings, and for ids >= vocab_size (placeholders of vision tokens) row
+    ``id - vocab_size`` of ``media [R, D]`` (the encoder's outputs)."""
+    vocab = model.config.vocab_size
+    x = model.embed[jnp.minimum(token_ids, vocab - 1)]
+    if media is None:
+        return x
+    rows = jnp.clip(token_ids - vocab, 0, media.shape[0] - 1)
+    return jnp.where((token_ids >= vocab)[:, None], media[rows].astype(x.dtype), x)
 
 
 def compute_logits(model: KimiModel, hidden: jax.Array) -> jax.Array:

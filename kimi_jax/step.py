@@ -61,7 +61,7 @@ class StepInputs:
         return self.context_lens.shape[0]
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["mla", "kda_state", "kda_conv", "mla_scales"],
+@partial(jax.tree_util.register_dataclass, data_fields=["mla", "kda_state", "kda_conv", "mla_scales", "media"],
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
@@ -72,19 +72,23 @@ class HybridCache:
     kda_conv   [L_kda, S, W-1, 2*H*K + HV*V]                last W-1 pre-conv q/k/v inputs, oldest first
     mla_scales [L_mla, num_blocks, block_size] f32          per-token dequantisation scales of an fp8 ``mla``
                                                             (row ~= e4m3 row * scale); None otherwise
+    media      [R, D] model dtype                           encoder outputs (merged vision tokens) of the images
+                                                            being prefilled: a token id ``vocab_size + r`` in a
+                                                            step stands for row r; None for a text-only engine
     """
 
     mla: jax.Array
     kda_state: jax.Array
     kda_conv: jax.Array
     mla_scales: jax.Array | None = None
+    media: jax.Array | None = None
 
     @property
     def fp8(self) -> bool:
         return self.mla_scales is not None
 
     def pools(self) -> dict[str, jax.Array]:
-        """The pool arrays by field name (``mla_scales`` only for an fp8 cache)."""
+        """The page and slot pool arrays by field name (``mla_scales`` only for an fp8 cache; not ``media``)."""
         names = ("mla", "kda_state", "kda_conv") + (("mla_scales",) if self.fp8 else ())
         return {name: getattr(self, name) for name in names}
 
@@ -102,12 +106,13 @@ class HybridCache:
 
 
 def init_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,
-               dtype=jnp.bfloat16, state_dtype=jnp.float32, extra_mla_layers: int = 0) -> HybridCache:
+               dtype=jnp.bfloat16, state_dtype=jnp.float32, extra_mla_layers: int = 0, media_rows: int = 0,
+               media_dtype=jnp.bfloat16) -> HybridCache:
     """Zero-initialised pools (``jnp.empty`` is uninitialised since jax 0.11: never use it for state).
 
     ``dtype`` is the MLA page dtype; ``float8_e4m3fn`` adds the per-token ``mla_scales`` pool.
     ``extra_mla_layers``: page layers after the model's own, for a drafter that caches latents of the same width
-    at the same block ids."""
+    at the same block ids. ``media_rows``: rows of the ``media`` pool (0: none)."""
     fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
     num_mla = len(cfg.mla_layers) + extra_mla_layers
     return HybridCache(
@@ -117,6 +122,7 @@ def init_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots:
                              cfg.kda_v_head_dim), state_dtype),
         kda_conv=jnp.zeros((len(cfg.kda_layers), num_slots, cfg.kda_conv_kernel - 1, cfg.kda_conv_channels),
                            jnp.float32),
+        media=jnp.zeros((media_rows, cfg.hidden_size), media_dtype) if media_rows else None,
     )
 
 

@@ -96,5 +96,6 @@ def zero_cache(cfg: ModelConfig, mesh: Mesh, **pool_sizes) -> HybridCache:
 def shard_cache(cache: HybridCache, mesh: Mesh) -> HybridCache:
     """The cache's pools placed on ``mesh`` with their fitted specs."""
     specs = fitted_cache_specs(cache, MeshShape.of(mesh).sizes())
+    media = None if cache.media is None else jax.device_put(cache.media, NamedSharding(mesh, specs.media))
     return HybridCache(**{name: jax.device_put(pool, NamedSharding(mesh, getattr(specs, name)))
-                          for name, pool in cache.pools().items()})
+                          for name, pool in cache.pools().items()}, media=media)

@@ -139,14 +139,15 @@ def cache_specs() -> HybridCache:
     return HybridCache(mla=P(None, "dcp", None, None),
                        kda_state=P(None, None, TP, None, None),
                        kda_conv=P(None, None, None, TP),
-                       mla_scales=P(None, "dcp", None))
+                       mla_scales=P(None, "dcp", None),
+                       media=P(None, None))
 
 
 def fitted_cache_specs(cache: HybridCache, sizes: Mapping[str, int]) -> HybridCache:
     """:func:`cache_specs` fitted to the pool shapes of ``cache`` (arrays or ``jax.ShapeDtypeStruct``)."""
     specs = cache_specs()
-    return HybridCache(**{name: fit_spec(getattr(specs, name), pool.shape, sizes)
-                          for name, pool in cache.pools().items()})
+    fitted = {name: fit_spec(getattr(specs, name), pool.shape, sizes) for name, pool in cache.pools().items()}
+    return HybridCache(**fitted, media=None if cache.media is None else specs.media)
 
 
 def conv_channel_order(cfg, tp: int) -> np.ndarray:

@@ -12,9 +12,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """A content part: text, or an image placeholder (is_image True, text empty)."""
+    """A content part: text, or an image (is_image True, text empty, ``image`` its URL)."""
     text: str
     is_image: bool = False
+    image: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,16 @@ def _parts(content: Any, where: str, *, allow_none: bool) -> list[Part]:
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"{at}.text: must be a string")
             parts.append(Part(part["text"]))
-        elif kind in ("image_url", "image"):
-            parts.append(Part("", is_image=True))
+        elif kind == "image_url":
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(url, str) or not url:
+                raise ValueError(f"{at}.image_url.url: must be a non-empty string")
+            parts.append(Part("", is_image=True, image=url))
+        elif kind == "image":
+            if not isinstance(part.get("image"), str) or not part["image"]:
+                raise ValueError(f"{at}.image: must be a non-empty string (a URL)")
+            parts.append(Part("", is_image=True, image=part["image"]))
         else:
             raise ValueError(f"{at}.type: unsupported content part type {kind!r} (expected 'text' or 'image_url')")
     return parts

@@ -91,7 +91,7 @@ class _Writer:
     def parts(self, parts: list[Part]) -> None:
         for part in parts:
             if part.is_image:
-                self.control(MEDIA_PAD)
+                self.segments.append(Segment(MEDIA_PAD, True, media=part.image))
             else:
                 self.text(part.text)
 
@@ -195,7 +195,8 @@ def render_k3(messages: Any, *, tools: Any = None, thinking: bool = True, reason
 
     Args:
       messages: OpenAI messages (system/developer/user/assistant/tool; content str or parts with text and
-        image_url; image parts become one `<|media_pad|>` placeholder each, to be expanded by a processor).
+        image_url; image parts become one `<|media_pad|>` segment each, carrying the URL, for
+        ``kimi_jax.chat.media.expand_media``).
       tools: OpenAI function tools, declared as deep-key-sorted compact JSON.
       reasoning_effort: "low" | "high" | "max" (None = "max"); ignored when thinking is off.
       tool_choice: "auto" | "none" | "required" | {"type": "function", ...} (the last is enforced by

@@ -11,9 +11,12 @@ class Segment:
 
     allow_special True: structural markers emitted by the renderer (special-token names map to their ids).
     False: user/tool/argument/tag text, encoded as plain BPE so it can never produce a control id.
+    media: for an image's placeholder (a single ``<|media_pad|>`` control), the image as the request gave it
+    (its URL); ``kimi_jax.chat.media.expand_media`` replaces it once the image is decoded.
     """
     text: str
     allow_special: bool
+    media: object = None
 
 
 def control(text: str) -> Segment:

@@ -73,3 +73,22 @@ def export_checkpoint(model: KimiModel, folder: str, *, dtype=jnp.bfloat16) -> K
     exported = mxfp4_model(model, dtype=dtype)
     save_checkpoint(exported, folder)
     return exported
+
+
+def dequantized_model(model: KimiModel, *, dtype=jnp.float32) -> KimiModel:
+    """A trainable copy of a served model: MXFP4 routed experts decoded to ``dtype`` stacks ``[L, E, in, out]``
+    (``experts_mxfp4=False``), every other parameter cast to ``dtype`` (fp32 islands stay fp32)."""
+    cfg = model.config
+    if not cfg.experts_mxfp4:
+        return model
+    target = KimiModel(cfg.replace(experts_mxfp4=False), dtype=dtype, rngs=nnx.Rngs(0))
+    source = _flat(model)
+    values = {}
+    for path, old in _flat(target).items():
+        if path[-2:-1] == ("moe",) and path[-1] in EXPERT_WEIGHTS:
+            base = path[:-1] + (f"{path[-1]}_packed",)
+            values[path] = dequantize_experts(source[base], source[path[:-1] + (f"{path[-1]}_scale",)], dtype)
+        else:
+            values[path] = jnp.asarray(source[path], old.dtype)
+    nnx.update(target, nnx.from_flat_state(values))
+    return target

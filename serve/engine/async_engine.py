@@ -75,6 +75,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
+        self.vision_config = getattr(engine, "vision_config", None)
+        self.media_rows = getattr(engine, "media_rows", 0)
         self._idle_wait_s = idle_wait_s
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -92,10 +94,11 @@ class AsyncEngine:
         return cls(LLMEngine.from_pretrained(model, **kwargs))
 
     # ---- coroutine side ----
-    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str, *,
+                       media: Sequence = ()) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (cumulative), one per engine step that changed it; the last has
-        ``finished=True``. Leaving the iteration early aborts the request. Bad requests raise ValueError."""
+        ``finished=True``. Leaving the iteration early aborts the request. Bad requests raise ValueError.
+        ``media``: the prompt's images (``media.ImageSpan``s)."""
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
         queue: asyncio.Queue = asyncio.Queue()
@@ -107,7 +110,7 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
             self._pending[request_id] = load
             self._pending_load = _plus(self._pending_load, load)
-        self._post(("add", request_id, list(prompt_token_ids), params, time.monotonic()))
+        self._post(("add", request_id, list(prompt_token_ids), params, time.monotonic(), tuple(media)))
         finished = False
         try:
             while not finished:
@@ -214,9 +217,10 @@ class AsyncEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prompt, params, arrival = command
+                _, request_id, prompt, params, arrival, media = command
                 try:
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
+                                            **({"media": media} if media else {}))
                 except ValueError as e:
                     self._deliver(request_id, e)
                     self._unpend(request_id, admitted=False)

@@ -23,6 +23,10 @@ tail page into a fresh page (copy-on-write); both copies are queued for the runn
 With a ``connector`` (``kv_connector.KVConnector``: the CPU offload tier, or entries pulled from a prefill
 engine) a lookup falls through to host memory: the device's page match is extended by the host's, and a host
 checkpoint later than the device's best wins; its pages and state are loaded into fresh pages and the live slot.
+
+Images (``media_rows`` > 0): page hashes and checkpoint tails are taken over ``request.cache_token_ids``, in
+which an image's placeholders are a key of its content, so two different images never share a page or a
+checkpoint. Admission also needs media-pool rows for every image the hit does not cover (``media.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from serve.engine.block_pool import RefCountedPool
 from serve.engine.kda_slots import KDASlots
+from serve.engine.media import MediaLease, MediaRows, pending_spans
 from serve.engine.mla_pages import MLAPages
 from serve.engine.prefix_cache import Checkpoint, PrefixCache, hash_page
 from serve.engine.request import Request
@@ -59,6 +64,7 @@ class CacheConfig:
     bytes_per_slot: int = 1
     eviction_alpha: float = 1.0
     page_group_size: int | None = None  # pages per DCP rank: pages are striped over those groups
+    media_rows: int = 0  # rows of the media pool (row 0 reserved); 0: requests cannot carry images
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -117,6 +123,7 @@ class CacheManager:
         self.stats = PrefixCacheStats()
         self._registered_pages: dict[str, int] = {}
         self.connector = None  # a KVConnector (kv_connector.attach_connector), else None
+        self.media = MediaRows(config.media_rows)
 
     # ---- capacity ----
     def is_idle(self) -> bool:
@@ -142,7 +149,7 @@ class CacheManager:
         hashes = self._page_hashes(request)
         limit = request.num_tokens - 1
         path = self.prefix.match_pages(hashes)
-        ckpt = self.prefix.find_checkpoint(request.all_token_ids, path, limit)
+        ckpt = self.prefix.find_checkpoint(request.cache_token_ids, path, limit)
         hit = ckpt.position if ckpt is not None else 0
         matched, remote = len(path), None
         if self.connector is not None:
@@ -177,7 +184,10 @@ class CacheManager:
         need_pages = self.pages.pages_for(hit.num_tokens + num_new_tokens) - len(hit.blocks)
         need_pages += sum(1 for b in shared if pool.refs(b) == 0)
         need_slots = 1 + (1 if hit.checkpoint is not None and self.slots.pool.refs(hit.checkpoint.slot) == 0 else 0)
-        return self.pages.can_allocate(need_pages) and self.slots.can_allocate(need_slots)
+        need_rows = sum(request.media[i].num_tokens for i in pending_spans(request, hit.num_tokens)
+                        if i not in request.media_leases)
+        return (self.pages.can_allocate(need_pages) and self.slots.can_allocate(need_slots)
+                and self.media.can_allocate(need_rows))
 
     def admit(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> None:
         """Give a waiting request its live slot and pages, restoring the hit (queues the copies)."""
@@ -200,6 +210,16 @@ class CacheManager:
             self.stats.queries += request.num_tokens
             self.stats.hits += hit.num_tokens
         self.pages.allocate(request, num_new_tokens)
+        for i in pending_spans(request, hit.num_tokens):
+            if i not in request.media_leases:
+                request.media_leases[i] = MediaLease(self.media.allocate(request.media[i].num_tokens))
+
+    def release_media(self, request: Request, *, everything: bool = False) -> None:
+        """Return the pool rows of the request's images that its prefill has passed (all of them with
+        ``everything``)."""
+        for i in list(request.media_leases):
+            if everything or request.media[i].end <= request.num_computed_tokens:
+                self.media.free(request.media_leases.pop(i).rows)
 
     # ---- checkpoints of running requests ----
     def checkpoint_positions(self, request: Request, start: int, num_new_tokens: int) -> tuple[list[int], int]:
@@ -225,6 +245,8 @@ class CacheManager:
     def on_step_done(self, request: Request, checkpoints: list[tuple[int, int]]) -> None:
         """After a step advanced ``request.num_computed_tokens``: index its new full pages and its exported
         checkpoints ``(position, slot)`` (a checkpoint that already exists releases its slot)."""
+        if request.media_leases:
+            self.release_media(request)
         if not self.enable_prefix_caching:
             return
         self._register_pages(request)
@@ -242,6 +264,7 @@ class CacheManager:
             self.connector.request_freed(request, self)
         self.pages.free(request)
         self.slots.free(request)
+        self.release_media(request, everything=True)
         request.num_computed_tokens = 0
         self._registered_pages.pop(request.request_id, None)
 
@@ -280,7 +303,7 @@ class CacheManager:
 
     def _page_hashes(self, request: Request) -> list[bytes]:
         """Extend ``request.page_hashes`` to every full page of its known tokens."""
-        hashes, bs, tokens = request.page_hashes, self.block_size, request.all_token_ids
+        hashes, bs, tokens = request.page_hashes, self.block_size, request.cache_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             hashes.append(hash_page(hashes[-1] if i else b"", tokens[i * bs:(i + 1) * bs]))
@@ -289,7 +312,7 @@ class CacheManager:
     def _has_checkpoint(self, request: Request, hashes: list[bytes], position: int) -> bool:
         depth = position // self.block_size
         node = self.prefix.node_at(hashes, depth)
-        tail = tuple(request.all_token_ids[depth * self.block_size:position])
+        tail = tuple(request.cache_token_ids[depth * self.block_size:position])
         return node is not None and tail in node.checkpoints
 
     def _register_pages(self, request: Request) -> None:
@@ -314,7 +337,7 @@ class CacheManager:
     def _register_checkpoint(self, request: Request, position: int, slot: int) -> None:
         depth = position // self.block_size
         node = self.prefix.node_at(request.page_hashes, depth)
-        tail = tuple(request.all_token_ids[depth * self.block_size:position])
+        tail = tuple(request.cache_token_ids[depth * self.block_size:position])
         if tail in node.checkpoints:
             return
         tail_block = request.block_table[depth] if tail else None

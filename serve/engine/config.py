@@ -53,6 +53,9 @@ class EngineConfig:
     speculative_config         speculative decoding (``SpeculativeConfig``, its dict or its JSON; None = off):
                                verification buckets are compiled beside the others, and the KDA pool gets
                                1 + k spare slots per sequence for the states after each verified token
+    encoder_batch_size         images per vision encoder launch (models with a vision tower)
+    media_pool_rows            merged vision tokens the media pool holds at once (default: max of
+                               max_num_batched_tokens and 4 of the largest images)
     """
 
     max_model_len: int | None = None
@@ -78,6 +81,8 @@ class EngineConfig:
     test_mode: bool = False
     compile_threads: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    encoder_batch_size: int = 4
+    media_pool_rows: int | None = None
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -154,6 +159,9 @@ class EngineConfig:
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(0 <= self.max_logprobs <= MAX_LOGPROBS, "max_logprobs",
                  f"must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        _require(self.encoder_batch_size >= 1, "encoder_batch_size", f"must be >= 1, got {self.encoder_batch_size}")
+        _require(self.media_pool_rows is None or self.media_pool_rows >= 1, "media_pool_rows",
+                 f"must be None or >= 1, got {self.media_pool_rows}")
         _require(self.compile_threads >= 0, "compile_threads", f"must be >= 0, got {self.compile_threads}")
 
 

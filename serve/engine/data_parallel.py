@@ -45,6 +45,8 @@ class DataParallelEngine:
         self.engines = list(engines)
         first = self.engines[0]
         self.tokenizer = first.tokenizer
+        self.vision_config = getattr(first, "vision_config", None)
+        self.media_rows = min(getattr(e, "media_rows", 0) for e in self.engines)
         self.model_config = first.model_config
         self.runner = first.runner  # for start-up messages; every replica has its own
         self.config = first.config
@@ -89,11 +91,12 @@ class DataParallelEngine:
         return choice
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
+                    *, arrival_time: float | None = None, media: Sequence = ()) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica = self.pick_replica(prompt_token_ids)
-        self.engines[replica].add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        self.engines[replica].add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                                          **({"media": media} if media else {}))
         self._owner[request_id] = replica
         self._assigned[replica].add(request_id)
         self.assignments[replica] += 1

@@ -31,6 +31,7 @@ import numpy as np
 
 from serve.engine.cache_manager import CacheConfig
 from serve.engine.config import EngineConfig
+from serve.engine.media import check_media
 from serve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from serve.engine.request import Request, RequestStatus
 from serve.engine.runner import ModelRunner
@@ -153,6 +154,8 @@ class LLMEngine:
         self.config = cfg
         self.tokenizer = tokenizer
         self.model_config = runner.model_config
+        self.vision_config = runner.encoder.config if runner.encoder is not None else None  # None: text only
+        self.media_rows = runner.media_rows
         if tokenizer is not None and tokenizer.vocab_size > self.model_config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only "
                              f"{self.model_config.vocab_size}")
@@ -166,7 +169,8 @@ class LLMEngine:
             block_size=cfg.block_size, num_blocks=num_blocks, num_slots=runner.num_slots,
             enable_prefix_caching=cfg.enable_prefix_caching, retention_interval=cfg.prefix_cache_retention_interval,
             max_checkpoints_per_seq=cfg.max_checkpoints_per_seq, bytes_per_block=runner.plan.bytes_per_block,
-            bytes_per_slot=runner.plan.bytes_per_slot, page_group_size=runner.page_group_size)
+            bytes_per_slot=runner.plan.bytes_per_slot, page_group_size=runner.page_group_size,
+            media_rows=runner.media_rows)
         spec = cfg.speculative_config
         self.scheduler = Scheduler(SchedulerConfig(max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                                    max_num_batched_tokens=cfg.max_num_batched_tokens), cache_config,
@@ -228,10 +232,12 @@ class LLMEngine:
             raise ValueError("SamplingParams.stop needs a tokenizer (this engine has none)")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> None:
-        """Queue a request; its outputs come from later ``step()`` calls."""
+                    *, arrival_time: float | None = None, media: Sequence = ()) -> None:
+        """Queue a request; its outputs come from later ``step()`` calls. ``media``: the prompt's images
+        (``media.ImageSpan``s, see ``media.find_spans``)."""
         params = params or SamplingParams()
         self.validate_request(prompt_token_ids, params)
+        check_media(media, prompt_token_ids, self.runner.media_rows)
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         clash = [i for i in ids if i in self._completion_of or i in self._requests]
         if clash:
@@ -243,7 +249,7 @@ class LLMEngine:
         completions, parent = [], None
         for index, child_id in enumerate(ids):
             request = Request(child_id, prompt, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival,
-                              seed=(base_seed + index) % (1 << 64), parent=parent)
+                              seed=(base_seed + index) % (1 << 64), parent=parent, media=media)
             if request.constraint is not None and len(request.constraint.allowed_token_bitmask()) != words:
                 request.constraint = _PaddedConstraint(request.constraint, words)
             parent = parent or request

@@ -7,6 +7,7 @@ import secrets
 import time
 from typing import Sequence
 
+from serve.engine.media import cache_key_ids
 from serve.engine.outputs import RequestMetrics
 from serve.engine.sampling_params import SamplingParams, TokenConstraint
 
@@ -42,7 +43,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
                  eos_token_ids: Sequence[int] = (), arrival_time: float | None = None, seed: int | None = None,
-                 parent: "Request | None" = None):
+                 parent: "Request | None" = None, media: Sequence = ()):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
         self.request_id = request_id
@@ -65,6 +66,9 @@ class Request:
         self.output_logprobs: list[dict[int, float]] | None = [] if wants_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         self._all_token_ids = list(self.prompt_token_ids)
+        self.media = tuple(media)
+        self.media_leases: dict = {}
+        self._cache_ids = cache_key_ids(self.prompt_token_ids, self.media) if self.media else self._all_token_ids
 
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -82,6 +86,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then output ids (a live list: do not mutate)."""
         return self._all_token_ids
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """Token ids as the prefix cache keys them (a live list: do not mutate)."""
+        return self._cache_ids
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +124,8 @@ class Request:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self._cache_ids is not self._all_token_ids:
+            self._cache_ids.append(token_id)
         if self.output_logprobs is not None and logprobs is not None:
             self.output_logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]

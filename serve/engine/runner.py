@@ -18,6 +18,11 @@ restores) and, in test mode, fills freed pages and slots with NaN; both are sepa
 dispatched only when there is work for them. With a KV connector (``kv_connector.py``: CPU offload, prefill /
 decode transfer) its queued device -> host saves go first and its host -> device loads after the copies.
 
+Images: with a vision tower (``vision``, or a ``KimiLM`` loaded with one) the cache gets a media pool and the
+runner an encoder (``encoder.py``). Before a step, the images of its sequences whose media leases are not
+encoded yet are encoded in batches into their pool rows; the step then feeds each placeholder as id
+``vocab_size + row`` (``kimi_jax.model.embed_tokens`` reads the row).
+
 Every executable is compiled at warm-up (``warm_up``), and every step is run once there on an all-padding
 batch so that a step the device cannot run fails at start-up; calling a compiled executable never traces or
 compiles, and ``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
@@ -54,6 +59,7 @@ from pallas_kernels.greedy import greedy
 from pallas_kernels.impl import resolve_impl
 from serve.engine import multihost
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
+from serve.engine.encoder import VisionEncoder
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
 from serve.engine.outputs import SampledTokens
@@ -277,8 +283,10 @@ class ModelRunner:
 
     def __init__(self, model: KimiModel | KimiLM, config: EngineConfig, *, mesh: Mesh | None = None,
                  expert_parallel: bool = False, capacity_factor: float | None = None, impl: str | None = None,
-                 warm_up: bool = True, progress: Callable[[int, int], None] | None = None, drafter=None):
+                 warm_up: bool = True, progress: Callable[[int, int], None] | None = None, drafter=None,
+                 vision=None):
         if isinstance(model, KimiLM):
+            vision = vision if vision is not None else model.vision
             impl = impl if impl is not None else model.impl
             if getattr(model, "parallel", None) is not None and mesh is None:
                 mesh = model.parallel.mesh
@@ -306,8 +314,10 @@ class ModelRunner:
                        for name, (_, leaf) in zip(self.param_names, paths_leaves)]
         self._graphdef = graphdef
         self.vocab_size = model.config.vocab_size
+        self.model_dtype = model.dtype
         self.kv_dtype = jnp.dtype(kv_cache_dtype_name(self.config.kv_cache_dtype, jnp.dtype(model.dtype)))
         self.spec_plan, self.drafter_params, self.num_draft_layers = self._speculation(model, drafter)
+        self.encoder = self._vision_encoder(vision)
         self.plan = self._plan_pools()
         self.cache = self._zero_cache()
         self.penalty_width = min(self.config.max_model_len, self.vocab_size)
@@ -335,6 +345,42 @@ class ModelRunner:
         self.warm_up_seconds = 0.0
         if warm_up:
             self.warm_up(progress)
+
+    # ---- images ----
+    def _vision_encoder(self, vision) -> VisionEncoder | None:
+        self.media_rows = 0
+        if vision is None or self.multihost:  # several hosts: the text model alone (followers replay no encoder)
+            return None
+        if vision.config.text_hidden_size != self.model_config.hidden_size:
+            raise ValueError(f"the vision projector writes width {vision.config.text_hidden_size}; the model's "
+                             f"hidden size is {self.model_config.hidden_size}")
+        most = vision.config.max_patches // vision.config.merge_size
+        self.media_rows = 1 + (self.config.media_pool_rows or max(self.config.max_num_batched_tokens, 4 * most))
+        return VisionEncoder(vision, self.config.encoder_batch_size, self.replicated)
+
+    def _encode_pending(self, sequences: Sequence[ScheduledSequence]) -> None:
+        """Encode the images of this step's sequences that hold pool rows not written yet (one pass, batched)."""
+        items, leases = [], []
+        for seq in sequences:
+            for i, lease in seq.request.media_leases.items():
+                if not lease.encoded:
+                    items.append((seq.request.media[i].image, lease.rows))
+                    leases.append(lease)
+        if items:
+            self.cache = self.encoder.encode(self.cache, items)
+            for lease in leases:
+                lease.encoded = True
+
+    def _feed_media(self, step_ids: np.ndarray, offset: int, seq: ScheduledSequence) -> None:
+        """Write ``vocab_size + row`` at the rows of ``step_ids`` (the sequence's fed tokens from ``offset``)
+        that are placeholders of its leased images."""
+        start, end = seq.context_len, seq.context_len + seq.num_tokens
+        for i, lease in seq.request.media_leases.items():
+            span = seq.request.media[i]
+            lo, hi = max(start, span.start), min(end, span.end)
+            if lo < hi:
+                rows = np.asarray(lease.rows[lo - span.start:hi - span.start], np.int32)
+                step_ids[offset + lo - start:offset + hi - start] = self.vocab_size + rows
 
     # ---- speculative decoding ----
     def _speculation(self, model: KimiModel, drafter) -> tuple[SpecPlan | None, list, int]:
@@ -432,7 +478,8 @@ class ModelRunner:
     def _zero_cache(self) -> HybridCache:
         make = partial(init_cache, self.model_config, num_blocks=self.plan.num_blocks,
                        block_size=self.config.block_size, num_slots=self.plan.num_slots, dtype=self.kv_dtype,
-                       extra_mla_layers=self.num_draft_layers)
+                       extra_mla_layers=self.num_draft_layers, media_rows=self.media_rows,
+                       media_dtype=self.model_dtype)
         specs = fitted_cache_specs(jax.eval_shape(make), MeshShape.of(self.mesh).sizes())
         self.cache_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         self._make_cache = jax.jit(make, out_shardings=self.cache_shardings)  # kept: recover() calls it again
@@ -490,6 +537,8 @@ class ModelRunner:
         lowered["copy"] = jax.jit(_copy_entries, **pinned).lower(self.cache, pairs, pairs)
         if cfg.test_mode:
             lowered["poison"] = jax.jit(_poison_entries, **pinned).lower(self.cache, ids, ids)
+        if self.encoder is not None:
+            lowered.update(self.encoder.lower(self.cache, self.cache_shardings))
         threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
         report = progress or (lambda done, total: None)
         report(0, len(lowered))
@@ -501,6 +550,8 @@ class ModelRunner:
                 compiled[futures[future]] = future.result()
                 report(len(compiled), len(lowered))
         self._copy = compiled.pop("copy")
+        if self.encoder is not None:
+            self.encoder.set_compiled(compiled)
         self._poison = compiled.pop("poison", None)
         self._verify_steps = {key[1:]: compiled.pop(key) for key in lowered if key[0] == "verify"}
         # in the order they were lowered, not finished: every process of a multi-host replica runs them in turn
@@ -510,6 +561,8 @@ class ModelRunner:
         if self.on_gpu:
             self._check_step_memory()
         self._run_each_step_once()
+        if self.encoder is not None:
+            self.cache = self.encoder.run_once(self.cache)
         self.warm_up_seconds = time.perf_counter() - start
 
     def _run_each_step_once(self) -> None:
@@ -554,9 +607,11 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         """Executables compiled at warm-up (one step per bucket plus a greedy variant per decode bucket, two per
-        verification bucket with speculative decoding, copy, poison in test mode, a KV connector's copies)."""
+        verification bucket with speculative decoding, copy, poison in test mode, a KV connector's copies, the
+        image encoder's buckets)."""
         return (len(self._steps) + len(self._verify_steps) + (self._copy is not None) + (self._poison is not None)
-                + (self.connector.num_executables if self.connector is not None else 0))
+                + (self.connector.num_executables if self.connector is not None else 0)
+                + (self.encoder.num_executables if self.encoder is not None else 0))
 
     @property
     def verify_len(self) -> int:
@@ -600,6 +655,8 @@ class ModelRunner:
                 self._launch_poison([], [seq.state_slot for seq in readers if seq.request_id in chosen])
             injector.on_launch(step_number, ids)
             on_result = partial(injector.on_result, step_number, ids)
+        if self.encoder is not None:
+            self._encode_pending(out.sequences)
         batch, optional, with_logprobs = self.build_batch(out.sequences, verify_len=out.verify_len)
         step = batch.step
         shape = (step.num_tokens, step.num_seqs, step.block_tables.shape[1], step.decode_only)
@@ -723,6 +780,9 @@ class ModelRunner:
             cu[1:len(lens) + 1] = list(itertools.accumulate(lens))
             cu[len(lens) + 1:] = total
             step.token_ids[:total] = np.fromiter((tok for s in sequences for tok in s.token_ids), np.int32, total)
+            for offset, seq in zip(cu, sequences):
+                if seq.request.media_leases:
+                    self._feed_media(step.token_ids, int(offset), seq)
             step.logits_indices[:len(lens)] = cu[1:len(lens) + 1] - 1
         for i, seq in enumerate(sequences):
             step.context_lens[i] = seq.context_len

@@ -18,6 +18,7 @@ holds the JSON value or the call(s), whatever the model, unless max_tokens runs 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -28,12 +29,14 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
 from kimi_jax.chat import K2OutputParser, K3OutputParser, encode_chat, render_k2, render_k3
+from kimi_jax.chat.media import media_refs
 from kimi_jax.chat.parsed import ParsedDelta, ToolCallDelta
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import ConstraintFactory
 from serve.openai.errors import bad_request
 from serve.openai.grammars import K2Grammars, K3Grammars
 from serve.openai.logprobs import chat_logprobs
+from serve.openai.media_prompt import has_images, place_images, with_images
 from serve.openai.metrics import ServerMetrics
 from serve.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                    ChatCompletionRequest, ChatCompletionResponse, ChatDelta, DeltaFunctionCall,
@@ -60,6 +63,7 @@ class _Plan:
     tools: list[dict]
     tool_choice: str | dict
     constrained: bool = False
+    media: tuple = ()  # the prompt's images (serve.engine.media.ImageSpan)
 
 
 def _tool_choice(request: ChatCompletionRequest, tools: list[dict], enable_auto: bool) -> str | dict:
@@ -126,9 +130,19 @@ class ChatHandler:
         except ValueError as err:
             message = str(err)
             raise bad_request(message, param=message.split(":")[0].split("[")[0] or None) from err
+        media = ()
+        if media_refs(segments):
+            segments, media = with_images(self._engine, self._config, request, segments)
         prompt_ids = encode_chat(self._tokenizer, segments)
         check_prompt_length(len(prompt_ids), self._engine.max_model_len, param="messages")
-        return _Plan(prompt_ids, thinking, tools, tool_choice)
+        return _Plan(prompt_ids, thinking, tools, tool_choice, media=media)
+
+    def _placed(self, plan: _Plan) -> _Plan:
+        """Pair the prompt's placeholder runs with its images (400 when the pool cannot hold them)."""
+        if not plan.media:
+            return plan
+        return dataclasses.replace(plan, media=place_images(self._engine, self._tokenizer, plan.prompt_ids,
+                                                            plan.media))
 
     def _constraint(self, request: ChatCompletionRequest, plan: _Plan, max_tokens: int) -> ConstraintFactory | None:
         think_tokens = constrained_think_tokens(max_tokens, self._config.split_reasoning)
@@ -165,7 +179,9 @@ class ChatHandler:
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        plan = self._plan(request)
+        # decoding images is CPU work: off the event loop
+        plan = await asyncio.to_thread(self._plan, request) if has_images(request) else self._plan(request)
+        plan = self._placed(plan)
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(getattr(request, param), len(plan.prompt_ids), self._engine.max_model_len,
                                         param=param)
@@ -178,7 +194,7 @@ class ChatHandler:
         request_id = new_id("chatcmpl")
         check_admission(self._engine, len(plan.prompt_ids), request.n)
         deadline = Deadline.of(request.timeout, self._config.request_timeout_s)
-        outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id, deadline)
+        outputs = generate_or_abort(self._engine, plan.prompt_ids, params, request_id, deadline, media=plan.media)
         if request.stream:
             return SSEResponse(self._stream(request, plan, request_id, outputs))
         body = await cancel_on_disconnect(raw_request, self._collect(request, plan, request_id, outputs))

@@ -57,6 +57,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-parser", choices=sorted(PARSER_FORMATS), default=None,
                       help="return the thinking channel as `reasoning_content` (default: no split, the thinking "
                            "text is part of `content`)")
+    chat.add_argument("--allowed-local-media-path", default=None,
+                      help="let image_url parts name file: URLs below this folder (default: data URLs only)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + completion)")
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -132,7 +134,8 @@ def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
                         chat_format=_chat_format(args, engine.tokenizer), api_key=args.api_key,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         split_reasoning=args.reasoning_parser is not None,
-                        request_timeout_s=args.request_timeout, protect_metrics=args.protect_metrics)
+                        request_timeout_s=args.request_timeout, protect_metrics=args.protect_metrics,
+                        allowed_local_media_path=args.allowed_local_media_path)
 
 
 def admission_args(args: argparse.Namespace) -> dict:

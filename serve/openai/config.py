@@ -21,6 +21,7 @@ class ServerConfig:
         from `content`. Without it (the default, as in vLLM) `reasoning_content` is never set and the thinking
         text is part of `content` (kimi_jax.chat.parsed states the rule; serve.openai.chat what it means for
         constrained requests).
+      allowed_local_media_path: `image_url` parts may name `file:` URLs below this folder (none otherwise).
 
     Replies are always parsed with the chat format's parser (content, tool calls, and reasoning when split).
     """
@@ -33,6 +34,7 @@ class ServerConfig:
     split_reasoning: bool = False
     request_timeout_s: float | None = None
     protect_metrics: bool = False
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self):
         if not self.served_model_names:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,6 +46,16 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Request):
     name: str
     arguments: str
@@ -61,7 +71,7 @@ class ChatMessage(_Request):
     """One message of a conversation; `reasoning_content` replays an assistant turn's thinking (K3 keeps it)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -72,7 +82,7 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class FunctionDefinition(_Request):

@@ -97,12 +97,12 @@ def check_admission(engine, num_prompt_tokens: int, n: int) -> None:
 
 
 async def generate_or_abort(engine, prompt_token_ids: list[int], params, request_id: str,
-                            deadline: Deadline | None = None) -> AsyncIterator[Any]:
+                            deadline: Deadline | None = None, *, media=()) -> AsyncIterator[Any]:
     """`engine.generate(...)`, calling `engine.abort(request_id)` if the consumer stops before the last output
     (client disconnect, task cancellation, an exception in the handler) or the deadline passes (then a 408
-    `APIError` is raised). Engine conditions become `APIError`s (`engine_error`)."""
+    `APIError` is raised). Engine conditions become `APIError`s (`engine_error`). `media`: the prompt's images."""
     finished = False
-    outputs = engine.generate(prompt_token_ids, params, request_id)
+    outputs = engine.generate(prompt_token_ids, params, request_id, **({"media": media} if media else {}))
     try:
         while not finished:
             try:

@@ -58,8 +58,10 @@ BAD_REQUESTS = {
     "unknown_model": (CHAT, {"model": "gpt-9", "messages": USER}, "model"),
     "empty_messages": (CHAT, {"messages": []}, "messages"),
     "unknown_role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    "image_part": (CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content.0.type"),
+    "image_on_a_text_model": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content.0.image_url.url"),
+    "unknown_part": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "audio", "audio": "x"}]}]}, "messages.0.content.0"),
     "invalid_json_schema": (CHAT, {"messages": USER, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
     "schema_missing": (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}},
