@@ -3,6 +3,9 @@
 * ``tiny``: the Kimi K3 architecture at toy size (KDA with the lower-bound gate and full-rank output gate,
   gated NoPE MLA with q-LoRA, Block AttnRes, Stable LatentMoE with SiTU and MXFP4 experts, dense layer 0).
   Runs on a CPU in seconds; its vocabulary matches the embedded tokenizer (4096 ids, K3 specials at the top).
+  Its shipped checkpoint is chat-tuned (``kimi_jax/assets/tiny``).
+* ``tiny-code``: the same configuration; its shipped checkpoint is the code-only model the chat model was
+  tuned from (``kimi_jax/assets/tiny-code``).
 * ``kimi-linear-48b``: the real Kimi-Linear-48B-A3B dimensions (27 layers, 20 KDA + 7 MLA, 256 bf16 experts).
 * ``k3``: the full Kimi K3 text stack (93 layers, 896 MXFP4 experts, 2.8T parameters), for memory planning.
 * ``k3-slice``: K3's true per-layer dimensions (H=96 KDA and MLA, 7168 width, 896 MXFP4 experts of the
@@ -76,7 +79,7 @@ def k3_slice() -> ModelConfig:
     return _k3_common(num_layers=4, num_experts=896, attn_res_block=2, last_is_mla=True)
 
 
-PRESETS = {"tiny": tiny, "kimi-linear-48b": kimi_linear_48b, "k3": k3, "k3-slice": k3_slice}
+PRESETS = {"tiny": tiny, "tiny-code": tiny, "kimi-linear-48b": kimi_linear_48b, "k3": k3, "k3-slice": k3_slice}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -15,7 +15,7 @@ from kimi_jax.presets import tiny
 from kimi_jax.training import export
 from kimi_jax.training.batches import PackedBatches, eval_batches
 from kimi_jax.training.corpus import build_corpus, docstrings, is_heldout, SourceFile, stdlib_files
-from kimi_jax.training.objective import make_loss, sequence_logits, split_params
+from kimi_jax.training.objective import cross_entropy, make_loss, sequence_logits, split_params
 from kimi_jax.training.trainer import Schedule, Trainer, init_for_training
 
 # Every K3 part at the smallest legal size: KDA (lower-bound gate, full-rank gate) + gated MLA, AttnRes,
@@ -119,10 +119,18 @@ def test_loss_layouts_agree(rng):
     """The vmap layout (used on GPU) computes the same loss as one packed serving step, in fp32."""
     graphdef, params = split_params(_micro_model())
     batch = rng.integers(0, MICRO.vocab_size, (3, 22)).astype(np.int32)  # T = 21: not a chunk multiple
-    packed = jax.jit(make_loss(graphdef, MICRO, layout="packed"))(params, batch)
-    vmapped = jax.jit(make_loss(graphdef, MICRO, layout="vmap"))(params, batch)
+    packed, packed_load = jax.jit(make_loss(graphdef, MICRO, layout="packed"))(params, batch)
+    vmapped, vmapped_load = jax.jit(make_loss(graphdef, MICRO, layout="vmap"))(params, batch)
     assert float(packed) == pytest.approx(float(vmapped), rel=1e-5)
     assert abs(float(packed) - np.log(MICRO.vocab_size)) < 1.0  # a sane initial loss
+    # the router load of the batch: every token's k choices in the one MoE layer, the same in both layouts
+    assert np.array_equal(packed_load, vmapped_load) and packed_load.shape == (1, MICRO.num_experts)
+    assert int(packed_load.sum()) == batch[:, :-1].size * MICRO.num_experts_per_token
+    weights = rng.integers(0, 2, (3, 21)).astype(np.float32)
+    weighted, _ = jax.jit(make_loss(graphdef, MICRO, layout="vmap"))(params, batch, weights)
+    logits = sequence_logits(graphdef, MICRO, params, jnp.asarray(batch[:, :-1]))
+    assert float(weighted) == pytest.approx(float(cross_entropy(logits[weights > 0], batch[:, 1:][weights > 0])),
+                                            rel=1e-5)
 
 
 def test_training_steps_reduce_loss(rng):
@@ -131,6 +139,21 @@ def test_training_steps_reduce_loss(rng):
     losses = [float(trainer.step(batch, 1e-2)[0]) for _ in range(4)]
     assert losses[-1] < losses[0] - 0.1, losses
     assert trainer.evaluate([batch]) < losses[-1]  # the loss after the last update
+
+
+def test_router_bias_moves_towards_even_load(rng):
+    """With a balancing rate the step moves each expert's bias by the rate against its load's deviation from the
+    layer mean (the bias gets no gradient: without the rate it stays), and the returned load is the batch's."""
+    batch = rng.integers(0, MICRO.vocab_size, (3, 22)).astype(np.int32)
+    moved, kept = Trainer(_micro_model(), balance_rate=0.01), Trainer(_micro_model())
+    bias = lambda t: np.asarray(t.params[1]["moe"]["router_bias"][...])  # noqa: E731
+    start = bias(moved)
+    _, _, load = moved.step(batch, 1e-2)
+    kept.step(batch, 1e-2)
+    load = np.asarray(load, np.float64)
+    assert load.sum() == batch[:, :-1].size * MICRO.num_experts_per_token and load.std() > 0
+    np.testing.assert_allclose(bias(moved) - start, 0.01 * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
+    np.testing.assert_array_equal(bias(kept), start)
 
 
 def test_mxfp4_export_roundtrips_through_loader(tmp_path, rng):
@@ -158,23 +181,24 @@ def test_mxfp4_export_roundtrips_through_loader(tmp_path, rng):
 
 
 @pytest.mark.slow
-def test_shipped_tiny_checkpoint_is_trained():
-    """The packaged checkpoint is the `tiny` preset and predicts held-out Python far better than chance,
-    through the normal loader and the serving forward (MXFP4 experts)."""
+@pytest.mark.parametrize("preset", ["tiny", "tiny-code"])
+def test_shipped_tiny_checkpoints_are_trained(preset):
+    """Both packaged checkpoints (the chat-tuned default and the code-only one) are the `tiny` configuration and
+    predict held-out Python far better than chance, through the normal loader and the serving forward (MXFP4
+    experts): chat tuning keeps completions working."""
     import os
 
     from kimi_jax.api import shipped_checkpoint
     from kimi_jax.tokenizer import load_tokenizer
     from kimi_jax.training.corpus import stdlib_root
-    from kimi_jax.training.objective import cross_entropy
 
-    assert shipped_checkpoint("tiny") is not None
-    lm = kimi_jax.load("tiny")
+    assert shipped_checkpoint(preset) is not None
+    lm = kimi_jax.load(preset)
     assert lm.config == tiny()
     assert is_heldout("functools.py", 3)  # never trained on
     with open(os.path.join(stdlib_root(), "functools.py"), encoding="utf-8") as f:
-        ids = np.asarray(load_tokenizer("tiny").encode(f.read())[1024:1537], np.int32)  # code, not the header
+        ids = np.asarray(load_tokenizer(preset).encode(f.read())[1024:1537], np.int32)  # code, not the header
     loss = float(cross_entropy(lm.logits(ids[None, :-1]), jnp.asarray(ids[None, 1:])))
-    # uniform guessing is ln(4096) = 8.3 nats; the shipped model scores 1.61 here with Python 3.12.1's file
+    # uniform guessing is ln(4096) = 8.3 nats; tiny-code scores 1.61 here with Python 3.12.1's file
     # (2.4 averaged over the file's windows), so 3.0 leaves room for other Python versions' functools.py
     assert loss < 3.0, loss

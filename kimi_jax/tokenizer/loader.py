@@ -8,7 +8,9 @@ from kimi_jax.tokenizer.special_tokens import (K2_ROLE_TOKENS, K2_SPECIAL_OFFSET
                                                K3_SPECIAL_OFFSETS, layout_names_by_id, special_block)
 from kimi_jax.tokenizer.tokenizer import Tokenizer
 
-TINY_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TINY_TOKENIZER_DIR = ASSETS / "tiny"
+SHIPPED = ("tiny", "tiny-code")  # presets whose checkpoint (and tokenizer) ship in the package
 
 
 def read_tiktoken_model(path: str | Path) -> dict[bytes, int]:
@@ -69,15 +71,16 @@ def load_tokenizer_folder(folder: str | Path, *, layout: str | None = None) -> T
 
 
 def load_tokenizer(path_or_preset: str) -> Tokenizer:
-    """`"tiny"`: the embedded K3-layout tokenizer; `"tiny-k2"`: the same BPE ranks with Kimi-Linear's K2
-    special names (for K2-format chat); anything else: a checkpoint folder (see `load_tokenizer_folder`).
+    """`"tiny"` / `"tiny-code"`: the embedded K3-layout tokenizer of that shipped checkpoint (the same one);
+    `"tiny-k2"`: the same BPE ranks with Kimi-Linear's K2 special names (for K2-format chat); anything else: a
+    checkpoint folder (see `load_tokenizer_folder`).
     """
-    if path_or_preset == "tiny":
-        return load_tokenizer_folder(TINY_TOKENIZER_DIR)
+    if path_or_preset in SHIPPED:
+        return load_tokenizer_folder(ASSETS / path_or_preset)
     if path_or_preset == "tiny-k2":
         return load_tokenizer_folder(TINY_TOKENIZER_DIR, layout="k2")
     folder = Path(path_or_preset)
     if not (folder / "tiktoken.model").exists():
-        raise ValueError(f"{path_or_preset!r} is neither a tokenizer preset ('tiny', 'tiny-k2') "
+        raise ValueError(f"{path_or_preset!r} is neither a tokenizer preset ('tiny', 'tiny-code', 'tiny-k2') "
                          "nor a folder with tiktoken.model")
     return load_tokenizer_folder(folder)

@@ -168,6 +168,25 @@ def build_corpus(tokenizer, *, heldout_percent: int = 3, root: str | None = None
                   tokenizer=tokenizer_fingerprint(tokenizer), heldout_percent=heldout_percent)
 
 
+def token_stream(tokenizer, *, heldout: bool, heldout_percent: int = 3, max_tokens: int | None = None,
+                 root: str | None = None, seed: int | None = None) -> np.ndarray:
+    """One split's documents as :func:`build_corpus` tokenises them, in sorted path order (so the held-out stream
+    is a prefix of ``Corpus.heldout``) or in a file permutation drawn from ``seed``; cut at ``max_tokens``."""
+    sources = [s for s in stdlib_files(root) if is_heldout(s.path, heldout_percent) == heldout]
+    if seed is not None:
+        sources = [sources[i] for i in np.random.default_rng(seed).permutation(len(sources))]
+    eos = tokenizer.eos_token_ids[0]
+    parts, count = [], 0
+    for source in sources:
+        for doc in documents(source):
+            parts.append(np.asarray(tokenizer.encode(doc) + [eos], np.uint16))
+            count += len(parts[-1])
+        if max_tokens is not None and count >= max_tokens:
+            break
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+    return stream if max_tokens is None else stream[:max_tokens]
+
+
 def load_or_build(path: str | None, tokenizer, *, heldout_percent: int = 3) -> Corpus:
     """Load a saved corpus from ``path`` when it exists and was made with ``tokenizer`` and the same split, else
     build it (and save it there when given)."""

@@ -1,4 +1,5 @@
-"""Export a trained model with bf16/fp32 routed experts as a hub checkpoint with MXFP4 routed experts.
+"""Export a trained model with bf16/fp32 routed experts as a hub checkpoint with MXFP4 routed experts, and load
+such a checkpoint back as a trainable model (fine-tuning starts from the MXFP4 grid values of the experts).
 
 Routed-expert stacks are stored ``[L, E, in, out]`` in the model; MXFP4 keeps the checkpoint layout
 ``packed [L, E, out, in/2]`` + E8M0 ``scales [L, E, out, in/32]`` (``MoEStack.w*_packed / w*_scale``), so each
@@ -92,3 +93,18 @@ def dequantized_model(model: KimiModel, *, dtype=jnp.float32) -> KimiModel:
             values[path] = jnp.asarray(source[path], old.dtype)
     nnx.update(target, nnx.from_flat_state(values))
     return target
+
+
+def trainable_model(folder: str) -> KimiModel:
+    """The hub checkpoint ``folder`` (MXFP4 routed experts) as an fp32 model with dequantised fp32 experts
+    (``experts_mxfp4=False``): the inverse of :func:`mxfp4_model`, up to the bf16 rounding of the export."""
+    import os
+
+    from kimi_jax.config import ModelConfig
+    from kimi_jax.weights.loader import load_into
+
+    cfg = ModelConfig.from_json_file(os.path.join(folder, "config.json"))
+    if not cfg.experts_mxfp4:
+        raise ValueError(f"{folder}: expected MXFP4 routed experts (config experts_mxfp4 true)")
+    stored = load_into(nnx.eval_shape(lambda: KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))), folder)
+    return dequantized_model(stored, dtype=jnp.float32)

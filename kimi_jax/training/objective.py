@@ -12,6 +12,9 @@ with the pure-jnp reference ops (the Pallas kernels define no VJP). Two equivale
 
 Mixed precision: trainable parameters are fp32 masters; ``compute_dtypes`` (a State of ShapeDtypeStructs
 from :func:`param_dtypes`) casts them per step, so bf16 matmuls keep the model's fp32 islands.
+
+The loss is a weighted mean over targets (chat fine-tuning trains on assistant tokens only) and comes with the
+router load of the batch, the (token, choice) pairs per expert and MoE layer, for load balancing.
 """
 
 from __future__ import annotations
@@ -59,47 +62,58 @@ def _step_fields(num_seqs: int, seq_len: int) -> dict[str, np.ndarray]:
     return fields
 
 
-def _logits(graphdef, cfg: ModelConfig, params, tokens: jax.Array, num_seqs: int, seq_len: int,
-            impl: str) -> jax.Array:
-    """tokens [num_seqs * seq_len] as num_seqs fresh sequences -> fp32 logits [num_seqs * seq_len, vocab]."""
+def _logits_and_load(graphdef, cfg: ModelConfig, params, tokens: jax.Array, num_seqs: int, seq_len: int,
+                     impl: str) -> tuple[jax.Array, jax.Array]:
+    """tokens [num_seqs * seq_len] as num_seqs fresh sequences -> (fp32 logits [num_seqs * seq_len, vocab],
+    router load int32 [L_moe, E])."""
     model = nnx.merge(graphdef, *params)
     pages = -(-seq_len // BLOCK_SIZE)
     cache = init_cache(cfg, num_blocks=1 + num_seqs * pages, block_size=BLOCK_SIZE, num_slots=1 + num_seqs,
                        dtype=model.dtype)
     fields = {k: jnp.asarray(v) for k, v in _step_fields(num_seqs, seq_len).items()}
-    hidden, _ = forward(model, cache, StepInputs(token_ids=tokens, **fields), impl=impl)
-    return compute_logits(model, hidden)
+    aux: dict = {}
+    hidden, _ = forward(model, cache, StepInputs(token_ids=tokens, **fields), impl=impl, aux=aux)
+    load = aux.get("router_counts", jnp.zeros((0, cfg.num_experts), jnp.int32))
+    return compute_logits(model, hidden), load
 
 
 def sequence_logits(graphdef, cfg: ModelConfig, params, tokens: jax.Array, *, impl: str = "reference"
                     ) -> jax.Array:
     """tokens [B, T] as B fresh sequences in one packed step -> fp32 logits [B, T, vocab]."""
     b, t = tokens.shape
-    return _logits(graphdef, cfg, params, tokens.reshape(-1), b, t, impl).reshape(b, t, -1)
+    return _logits_and_load(graphdef, cfg, params, tokens.reshape(-1), b, t, impl)[0].reshape(b, t, -1)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token loss in nats: logits [..., vocab] fp32, targets [...] int."""
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Mean next-token loss in nats: logits [..., vocab] fp32, targets [...] int; with ``weights [...]`` the
+    weighted mean (0 when every weight is 0)."""
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    nats = jax.nn.logsumexp(logits, axis=-1) - picked
+    if weights is None:
+        return jnp.mean(nats)
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(nats * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def make_loss(graphdef, cfg: ModelConfig, *, layout: str = "packed", compute_dtypes=None,
-              impl: str = "reference") -> Callable[[tuple, jax.Array], jax.Array]:
-    """``loss(params, batch [B, T + 1] int32) -> mean nats/token`` for params shaped like :func:`split_params`."""
+              impl: str = "reference") -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """``loss(params, batch [B, T + 1] int32, weights [B, T] | None) -> (mean nats/target, router load int32
+    [L_moe, E])`` for params shaped like :func:`split_params`; ``weights`` weighs target ``batch[:, 1:]``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
-    def loss(params, batch):
+    def loss(params, batch, weights=None):
         if compute_dtypes is not None:
             params = cast_params(params, compute_dtypes)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         b, t = inputs.shape
         if layout == "packed":
-            return cross_entropy(sequence_logits(graphdef, cfg, params, inputs, impl=impl), targets)
+            logits, load = _logits_and_load(graphdef, cfg, params, inputs.reshape(-1), b, t, impl)
+            return cross_entropy(logits.reshape(b, t, -1), targets, weights), load
         experts, rest = params
         copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), experts)
-        per_row = lambda e, row: _logits(graphdef, cfg, (e, rest), row, 1, t, impl)  # noqa: E731
-        return cross_entropy(jax.vmap(per_row)(copies, inputs), targets)
+        per_row = lambda e, row: _logits_and_load(graphdef, cfg, (e, rest), row, 1, t, impl)  # noqa: E731
+        logits, load = jax.vmap(per_row)(copies, inputs)
+        return cross_entropy(logits, targets, weights), jnp.sum(load, axis=0)
 
     return loss

@@ -1,4 +1,5 @@
-"""The shipped checkpoint's training report: ``training.json`` -> ``TRAINING.md``."""
+"""Shipped checkpoints' training reports: ``training.json`` -> ``TRAINING.md`` (the code-only ``tiny-code`` of
+``train_tiny``; the chat-tuned ``tiny`` of ``train_chat``, marked ``"recipe": "chat"``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 def training_markdown(r: dict) -> str:
     c = r["corpus"]
     lines = [
-        "# The shipped `tiny` checkpoint",
+        "# The shipped `tiny-code` checkpoint (code only; the chat-tuned `tiny` starts from it)",
         "",
         "Kimi K3 architecture at toy size (KDA with the lower-bound gate, gated NoPE MLA, Block AttnRes, Stable "
         "LatentMoE with SiTU, MXFP4 routed experts), trained by `kimi_jax/training/train_tiny.py`.",
@@ -28,9 +29,9 @@ def training_markdown(r: dict) -> str:
         f"licence {c['license']}; {c['train_files']} train / {c['heldout_files']} held-out files (split by file), "
         f"{c['train_tokens']:,} / {c['heldout_tokens']:,} tokens, fingerprint `{c['fingerprint']}`",
         "",
-        f"Held-out loss in nats/token (uniform guessing: {math.log(r['vocab_size']):.2f}). \"First N\" = the first windows of "
-        "the held-out stream, whose files follow in sorted path order; \"spread\" = windows evenly spaced over "
-        "all held-out files:",
+        f"Held-out loss in nats/token (uniform guessing: {math.log(r['vocab_size']):.2f}). \"First N\" = the first "
+        "windows of the held-out stream, whose files follow in sorted path order; \"spread\" = windows evenly "
+        "spaced over all held-out files:",
         "",
         "| model | loss |",
         "|---|---|",
@@ -60,4 +61,13 @@ def update_report(folder: str, found: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(folder, "TRAINING.md"), "w") as f:
-        f.write(training_markdown(result))
+        f.write(markdown(result))
+
+
+def markdown(r: dict) -> str:
+    """The report of either recipe."""
+    if r.get("recipe") == "chat":
+        from kimi_jax.training.chat_report import chat_markdown
+
+        return chat_markdown(r)
+    return training_markdown(r)

@@ -28,14 +28,13 @@ from flax import nnx
 
 from kimi_jax.model import KimiModel
 from kimi_jax.presets import tiny
-from kimi_jax.training import export
+from kimi_jax.training import export, loop
 from kimi_jax.training.batches import PackedBatches, eval_batches
 from kimi_jax.training.corpus import LICENSE, load_or_build
 from kimi_jax.training.objective import split_params
 from kimi_jax.training.report import training_markdown
-from kimi_jax.training.trainer import Schedule, Trainer, init_for_training
-
-PROBE_STEPS = 8  # steps timed before --time-budget fixes the total (must not exceed --warmup)
+from kimi_jax.training.loop import PROBE_STEPS
+from kimi_jax.training.trainer import Trainer, init_for_training
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,31 +118,10 @@ def train(args: argparse.Namespace) -> dict:
          f"{args.compute_dtype}, params {params}, {tokens_per_step} tokens/step, "
          f"{data.steps_per_epoch} steps/epoch")
 
-    total = args.steps if args.steps is not None else 10**9
-    schedule = Schedule(args.lr, args.warmup, total, args.min_lr_ratio)
-    history, step_times = [], []
-    t_train = time.time()
-    step = 0
-    while step < schedule.total:
-        t0 = time.time()
-        loss, grad_norm = trainer.step(data(step), schedule(step))
-        loss = float(loss)  # waits for the step
-        step_times.append(time.time() - t0)
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}")
-        step += 1
-        if args.time_budget is not None and step == PROBE_STEPS:
-            per_step = float(np.median(step_times[2:]))
-            left = args.time_budget - (time.time() - t_train)
-            planned = PROBE_STEPS + max(0, int(left / per_step))
-            schedule = Schedule(args.lr, args.warmup, min(total, max(planned, args.warmup + 1)), args.min_lr_ratio)
-            _log(f"time budget {args.time_budget:.0f}s at {per_step * 1e3:.0f} ms/step -> {schedule.total} steps")
-        if step == 1 or step % args.log_every == 0 or step == schedule.total:
-            history.append({"step": step, "loss": loss, "grad_norm": float(grad_norm), "lr": schedule(step - 1)})
-            recent = np.median(step_times[-args.log_every:])
-            _log(f"step {step:5d}/{schedule.total} loss {loss:.4f} gnorm {float(grad_norm):.3f} "
-                 f"lr {schedule(step - 1):.2e} {recent * 1e3:.0f} ms/step {tokens_per_step / recent:,.0f} tok/s")
-    train_seconds = time.time() - t_train
+    ran = loop.run(trainer, lambda step: (data(step), None), lr=args.lr, warmup=args.warmup,
+                   min_lr_ratio=args.min_lr_ratio, steps=args.steps, time_budget=args.time_budget,
+                   tokens_per_step=tokens_per_step, log_every=args.log_every, log=_log)
+    step, history, train_seconds = ran.steps, ran.history, ran.train_seconds
 
     trained = trainer.model()
     heldout_loss = trainer.evaluate(held)
@@ -152,14 +130,14 @@ def train(args: argparse.Namespace) -> dict:
     heldout_mxfp4 = trainer.evaluate(held, params=fake_q)
     _log(f"held-out loss (training forward, MXFP4 routed experts): {heldout_mxfp4:.4f} nats/token")
     export.export_checkpoint(trained, args.out, dtype=jnp.dtype(args.export_dtype))
-    _log(f"wrote {args.out} ({_folder_mb(args.out):.1f} MB)")
+    _log(f"wrote {args.out} ({folder_mb(args.out):.1f} MB)")
 
     result = {
         "command": "python -m kimi_jax.training.train_tiny " + shlex.join(args.argv),
         "reproduce": "python -m kimi_jax.training.train_tiny " + shlex.join(reproduce_argv(args.argv, step)),
         "steps": step, "tokens_trained": step * tokens_per_step, "train_seconds": train_seconds,
         "wall_seconds": time.time() - t_start,
-        "median_step_ms": float(np.median(step_times[2:] or step_times)) * 1e3,
+        "median_step_ms": ran.median_step_ms,
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
         "layout": args.layout, "compute_dtype": args.compute_dtype, "export_dtype": args.export_dtype,
         "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup,
@@ -211,7 +189,7 @@ def serving_report(folder: str, held: list[np.ndarray], tokenizer) -> dict:
     return found
 
 
-def _folder_mb(folder: str) -> float:
+def folder_mb(folder: str) -> float:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 1e6
 
 

@@ -528,7 +528,7 @@ def _resolve_tokenizer(tokenizer, model):
     if tokenizer != "auto":
         from kimi_jax.tokenizer import load_tokenizer
         return load_tokenizer(tokenizer)
-    if isinstance(model, str) and (model in ("tiny", "tiny-k2")
+    if isinstance(model, str) and (model in ("tiny", "tiny-code", "tiny-k2")
                                    or os.path.exists(os.path.join(model, "tiktoken.model"))):
         from kimi_jax.tokenizer import load_tokenizer
         return load_tokenizer(model)

@@ -1,5 +1,5 @@
-"""The engine's greedy outputs for the shipped ``tiny`` model on the CPU (reference ops), stored as test data for the
-GPU suite to compare against (``tests/data/engine_greedy_tiny.json``).
+"""The engine's greedy outputs for the shipped code-only ``tiny-code`` model on the CPU (reference ops), stored as test
+data for the GPU suite to compare against (``tests/data/engine_greedy_tiny_code.json``).
 
 Regenerate on a CPU machine: ``JAX_PLATFORMS=cpu PYTHONPATH=. python tests/gpu/engine_reference.py``. Besides the
 tokens it stores, per request, the smallest gap between the top two logits over the generated positions (from
@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "engine_greedy_tiny.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "engine_greedy_tiny_code.json"
+MODEL = "tiny-code"
 PROMPTS = [[1, 17, 254, 8, 99], list(range(3, 40, 2)), [7] * 3 + list(range(100, 140))]
 """Token-id prompts of 5, 19 and 43 tokens (the longer one crosses a 16-token page and a KDA chunk of 64 with its
 continuation)."""
@@ -22,11 +23,11 @@ MAX_TOKENS = 24
 
 def generate(impl: str | None = None) -> list[list[int]]:
     """The greedy continuations (``MAX_TOKENS`` each, no stop tokens) of ``PROMPTS`` by ``kimi_jax.LLM`` on the
-    shipped tiny model in float32 with the ``ENGINE`` settings."""
+    shipped ``MODEL`` in float32 with the ``ENGINE`` settings."""
     import kimi_jax
     from kimi_jax import SamplingParams
 
-    llm = kimi_jax.LLM("tiny", dtype="float32", impl=impl, tokenizer=None, **ENGINE)
+    llm = kimi_jax.LLM(MODEL, dtype="float32", impl=impl, tokenizer=None, **ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, params)]
 
@@ -39,7 +40,7 @@ def write_reference() -> dict:
 
     assert jax.default_backend() == "cpu", "the reference is the CPU's"
     tokens = generate("reference")
-    lm = kimi_jax.load("tiny", dtype="float32", impl="reference")
+    lm = kimi_jax.load(MODEL, dtype="float32", impl="reference")
     gaps = []
     for prompt, out in zip(PROMPTS, tokens):
         logits = np.asarray(lm.logits(np.asarray([prompt + out])))[0, len(prompt) - 1:-1]

@@ -4,10 +4,10 @@
   to 1e-4 relative (norm), as on the CPU (measured there: 1.9e-6, the difference being summation order), and the
   same greedy continuation. fp32 only: in bf16 the model itself moves 8.6% (norm) from its fp32 logits on the CPU
   too, so a bf16 comparison with the golden file would not test the kernels;
-* the engine's greedy tokens for the shipped ``tiny`` model equal its CPU tokens (tests/data/engine_greedy_tiny.json,
-  made by tests/gpu/engine_reference.py) token for token: in fp32 with IEEE products the two differ by summation
-  order (~1e-4 on these logits), and the CPU's smallest gap between the top two logits over every generated
-  position is 5e-3, so another token would be a defect, not rounding;
+* the engine's greedy tokens for the shipped ``tiny-code`` model equal its CPU tokens
+  (tests/data/engine_greedy_tiny_code.json, made by tests/gpu/engine_reference.py) token for token: in fp32 with
+  IEEE products the two differ by summation order (~1e-4 on these logits), and the CPU's smallest gap between the
+  top two logits over every generated position is 5e-3, so another token would be a defect, not rounding;
 * the notebooks with a GPU path (all but sharding.ipynb, which simulates 8 CPU devices) run top to bottom on the
   GPU.
 

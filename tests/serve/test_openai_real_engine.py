@@ -6,9 +6,9 @@ parsers + SSE + metrics, and that an aborted stream gives its cache back.
 
 It is also issue 37's evidence, taken as a new user would (server defaults: thinking on, no reasoning parser):
 chat and streaming chat answer in `content`; json_schema / json_object replies parse and validate for several
-schemas; required and named tool choice always return a parsed, schema-valid call; deep bodies are a 400. The
-tiny model (trained on Python code, never on chat) never closes its think channel and never picks `<|close|>`
-by itself, so these pass only because the grammar bounds the whole turn."""
+schemas; required and named tool choice always return a parsed, schema-valid call; deep bodies are a 400. It serves
+the code-only `tiny-code` checkpoint (served as "tiny"; trained on Python code, never on chat), which never closes
+its think channel and never picks `<|close|>` by itself, so these pass only because the grammar bounds the whole turn."""
 
 import json
 import threading
@@ -31,7 +31,7 @@ from serve.openai.grammars import json_grammar
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(LLMEngine.from_pretrained("tiny", dtype="float32", max_model_len=512, max_num_seqs=8,
+    eng = AsyncEngine(LLMEngine.from_pretrained("tiny-code", dtype="float32", max_model_len=512, max_num_seqs=8,
                                                 max_num_batched_tokens=128))
     yield eng
     eng.shutdown()
@@ -39,7 +39,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    app = build_app(engine, ServerConfig(served_model_names=("tiny",), model_root="tiny", chat_format="k3",
+    app = build_app(engine, ServerConfig(served_model_names=("tiny",), model_root="tiny-code", chat_format="k3",
                                          enable_auto_tool_choice=True))
     with serve_in_thread(app) as url:
         yield url
@@ -53,7 +53,7 @@ def client(base_url):
 @pytest.fixture(scope="module")
 def reasoning_client(engine):
     """The same engine behind a server started with --reasoning-parser kimi_k3."""
-    app = build_app(engine, ServerConfig(served_model_names=("tiny",), model_root="tiny", chat_format="k3",
+    app = build_app(engine, ServerConfig(served_model_names=("tiny",), model_root="tiny-code", chat_format="k3",
                                          split_reasoning=True))
     with serve_in_thread(app) as url:
         yield OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
