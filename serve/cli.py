@@ -61,7 +61,8 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   enable_prefix_caching=args.enable_prefix_caching,
                   prefix_cache_retention_interval=args.prefix_cache_retention_interval,
-                  kv_cache_dtype=args.kv_cache_dtype, mxfp4_byte_order=args.mxfp4_byte_order)
+                  kv_cache_dtype=args.kv_cache_dtype, mxfp4_byte_order=args.mxfp4_byte_order,
+                  speculative_config=getattr(args, "speculative_config", None))
     return {k: v for k, v in fields.items() if v is not None}
 
 

@@ -1,9 +1,9 @@
 """`kimi-jax serve` flags (mirroring `vllm serve` where the meaning is the same) and the server entry points.
 
 Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --enable-prefix-caching,
---prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed) and the parallelism flags
-(--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel, --decode-context-parallel-size,
---num-hosts / --host-rank / --coordinator-address) are defined here so `kimi-jax serve --help` lists them all, and
+--prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed, --speculative-config) and the
+parallelism flags (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel,
+--decode-context-parallel-size, --num-hosts / --host-rank / --coordinator-address) are defined here so `kimi-jax serve --help` lists them all, and
 are read by whoever builds the engine; `run_server` reads the HTTP ones.
 """
 
@@ -82,6 +82,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "loaded)")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
+    engine.add_argument("--speculative-config", type=_speculative_config, default=None,
+                        help='speculative decoding as vllm serve takes it, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "dspark", '
+                             '"num_speculative_tokens": 7, "model": DIR}\' (DIR from python -m '
+                             'kimi_jax.training.train_drafter)')
     add_parallel_args(parser)
     add_disagg_args(parser)
     return parser
@@ -136,6 +141,16 @@ def server_config_from_args(args: argparse.Namespace, engine) -> ServerConfig:
                         split_reasoning=args.reasoning_parser is not None,
                         request_timeout_s=args.request_timeout, protect_metrics=args.protect_metrics,
                         allowed_local_media_path=args.allowed_local_media_path)
+
+
+def _speculative_config(text: str):
+    """argparse type of --speculative-config: refused before the model loads when a field is unknown or wrong."""
+    from serve.engine.spec_config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def admission_args(args: argparse.Namespace) -> dict:

@@ -73,3 +73,18 @@ def test_built_server_answers_until_told_to_exit(engines):
     server.should_exit = True
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_speculative_config_flag(capsys):
+    """vLLM's --speculative-config JSON reaches the engine arguments; a wrong field stops the command before any
+    model loads, naming the field."""
+    args = parse("tiny", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    spec = engine_args_from_cli(args)["speculative_config"]
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 5)
+    assert "speculative_config" not in engine_args_from_cli(parse("tiny"))
+    for bad, named in (('{"method": "ngram", "num_speculative_token": 3}', "num_speculative_token"),
+                       ('{"method": "eagle", "num_speculative_tokens": 3}', "method"), ("{not json", "JSON")):
+        with pytest.raises(SystemExit):
+            parse("tiny", "--speculative-config", bad)
+        assert named in capsys.readouterr().err
