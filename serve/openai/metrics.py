@@ -62,6 +62,23 @@ class _EngineCollector:
                                       labels=["model_name"])
             gauge.add_metric([self._model_name], stats.router_imbalance)
             yield gauge
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:  # speculative decoding, in vLLM's names
+            yield from self._spec_families(spec)
+
+    def _spec_families(self, spec):
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Verification rows with at least one draft.", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(value))
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens per draft position.", labels=["model_name", "position"])
+        for position, count in enumerate(spec.accepted_per_pos):
+            family.add_metric([self._model_name, str(position)], float(count))
+        yield family
 
 
 class RequestTimer:
