@@ -94,6 +94,7 @@ class KVTransferEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
+        self.vision_config = getattr(engine, "vision_config", None)
         self.block_size = connector.copier.layout.block_size
         self.pulls = {"ok": 0, "failed": 0, "empty": 0}
         self.pulled_bytes = 0
@@ -104,17 +105,27 @@ class KVTransferEngine:
     def stats(self):
         return self.engine.stats()
 
+    def check_admission(self, num_prompt_tokens: int, n: int = 1) -> None:
+        self.engine.check_admission(num_prompt_tokens, n)
+
+    @property
+    def num_open_streams(self) -> int:
+        return self.engine.num_open_streams
+
+    def abort_all(self) -> None:
+        self.engine.abort_all()
+
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
-    async def generate(self, prompt_token_ids: Sequence[int], params, request_id: str) -> AsyncIterator:
+    async def generate(self, prompt_token_ids: Sequence[int], params, request_id: str, **media) -> AsyncIterator:
         transfer_id, source = _TRANSFER.get()
         if self.role == "prefill" and transfer_id is not None:
             self.connector.expect_export(request_id, transfer_id)
         try:
             if self.role == "decode" and source is not None:
                 await self._receive(transfer_id, source, prompt_token_ids, request_id)
-            async for output in self.engine.generate(prompt_token_ids, params, request_id):
+            async for output in self.engine.generate(prompt_token_ids, params, request_id, **media):
                 yield output
         finally:
             self.connector.forget_export(request_id)
