@@ -3,8 +3,9 @@
 Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --enable-prefix-caching,
 --prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed, --speculative-config) and the
 parallelism flags (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel,
---decode-context-parallel-size, --num-hosts / --host-rank / --coordinator-address) are defined here so `kimi-jax serve --help` lists them all, and
-are read by whoever builds the engine; `run_server` reads the HTTP ones.
+--decode-context-parallel-size, --num-hosts / --host-rank / --coordinator-address) are defined here so
+`kimi-jax serve --help` lists them all, and are read by whoever builds the engine; `run_server` reads the HTTP
+ones.
 """
 
 from __future__ import annotations
