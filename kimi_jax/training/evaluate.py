@@ -4,7 +4,7 @@
 loads the folder with :func:`kimi_jax.load` (the same loader, paged packed-step forward and ops as
 ``kimi-jax serve``) and prints the held-out loss in nats/token and greedy continuations of a few Python-ish
 prompts. ``--update-report`` adds both to the folder's ``training.json`` and rewrites its ``TRAINING.md``
-(for a run trained with ``train_tiny --no-serving-eval``, e.g. on a GPU lease).
+(for a run trained with ``train_tiny --no-serving-eval``, e.g. on a GPU host without the serving stack).
 """
 
 from __future__ import annotations
