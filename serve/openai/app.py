@@ -53,8 +53,8 @@ def json_depth(body: bytes) -> int:
     return int(np.cumsum(steps).max())
 
 
-async def _parse(request: Request, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
-    body = await request.body()
+def json_object_body(body: bytes) -> dict:
+    """A request body as a JSON object, or a 400 (too deep, malformed, not an object) before anything recurses."""
     if json_depth(body) > MAX_JSON_DEPTH:
         raise bad_request(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.",
                           code="json_too_deep")
@@ -64,6 +64,12 @@ async def _parse(request: Request, model: type[pydantic.BaseModel]) -> pydantic.
         raise bad_request(f"Malformed JSON body: {err}", code="invalid_json") from err
     if not isinstance(payload, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return payload
+
+
+async def _parse(request: Request, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
+    body = await request.body()
+    json_object_body(body)
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as err:

@@ -25,9 +25,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve.openai.app import MAX_JSON_DEPTH, json_depth
+from serve.openai.app import json_object_body
 from serve.openai.disagg import TRANSFER_ID_HEADER, TRANSFER_SOURCE_HEADER, new_transfer_id
-from serve.openai.errors import APIError, bad_request, internal_server_error
+from serve.openai.errors import APIError, internal_server_error
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +63,7 @@ class Proxy:
         return self._client
 
     async def relay(self, path: str, request: Request) -> Response:
-        raw = await request.body()
-        if json_depth(raw) > MAX_JSON_DEPTH:
-            raise bad_request(f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.",
-                              code="json_too_deep")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise bad_request(f"Malformed JSON body: {err}", code="invalid_json") from err
-        if not isinstance(body, dict):
-            raise bad_request("The request body must be a JSON object.", code="invalid_json")
+        body = json_object_body(await request.body())
         prefill, decode = next(self._prefill), next(self._decode)
         transfer_id = new_transfer_id()
         auth = {"authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
