@@ -27,9 +27,11 @@ def test_writes_a_loadable_drafter_with_its_report(trained):
     assert result["steps"] == 2 and json.loads((out / "training.json").read_text())["steps"] == 2
     heldout = result["heldout"]
     block = result["config"]["block_size"]
-    assert 1.0 <= heldout["mean_acceptance_length"] <= block
-    assert len(heldout["acceptance_per_position"]) == block - 1
-    assert all(0.0 <= a <= 1.0 for a in heldout["acceptance_per_position"])
+    per_pos = heldout["acceptance_per_position"]
+    assert len(per_pos) == block - 1 and heldout["blocks"] == 2  # 2 prompts, one block after each 32-token prompt
+    assert all(0.0 <= a <= 1.0 for a in per_pos)
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a draft counts only after all before it matched
+    assert heldout["mean_acceptance_length"] == pytest.approx(1.0 + sum(per_pos))
     assert f"{heldout['mean_acceptance_length']:.2f}" in (out / "TRAINING.md").read_text()
     drafter = load_drafter(str(out), kimi_jax.load("tiny", "float32").model)
     assert drafter.config.block_size == block
