@@ -4,8 +4,9 @@ host memory, one array per pool and entry.
 A page entry is one array ``[L_mla, block_size, ...]`` per page pool (``mla``, and ``mla_scales`` for an fp8
 cache); a slot entry one array ``[L_kda, ...]`` per slot pool (``kda_state``, ``kda_conv``). Saves write their
 outputs straight into pinned host memory (``memory_kind="pinned_host"``: the device->host DMA is part of the
-executable, so a save is dispatched like any step and the host never waits for it); loads take pinned host
-arrays (or numpy) and scatter them into the donated pools. Every executable is compiled once, at start-up:
+executable, so a save is dispatched like any step and the host never waits for it); loads copy pinned host
+arrays (or numpy) to the device first (an asynchronous ``device_put``: XLA's GPU compiler rejects a scatter
+whose operand lives in host memory) and scatter them into the donated pools. Every executable is compiled once, at start-up:
 pages move in chunks of ``PAGE_CHUNKS`` (a count is split greedily into them, so nothing is padded), slots
 one at a time (a K3 slot is ~414 MiB). Entries of one save are separate
 buffers, so the host tier frees them one by one.
@@ -109,7 +110,7 @@ class HostCopier:
                 out = tuple(tuple(self.host_sharding for _ in entry.names) for _ in range(count))
                 self._save[kind, count] = jax.jit(partial(_gather, entry.names, count), out_shardings=out).lower(
                     cache, ids).compile()
-                entries = tuple(entry.structs(self.host_sharding) for _ in range(count))
+                entries = tuple(entry.structs(self._device_sharding) for _ in range(count))
                 self._load[kind, count] = jax.jit(partial(_scatter, entry.names), donate_argnums=(0,),
                                                   out_shardings=self._cache_shardings).lower(
                     cache, ids, entries).compile()
@@ -128,7 +129,8 @@ class HostCopier:
         for start, count in self._chunks(kind, len(items)):
             chunk = items[start:start + count]
             ids = np.asarray([dst for _, dst in chunk], np.int32)
-            cache = self._load[kind, count](cache, ids, tuple(data for data, _ in chunk))
+            entries = jax.device_put(tuple(data for data, _ in chunk), self._device_sharding)
+            cache = self._load[kind, count](cache, ids, entries)
         return cache
 
     def to_host(self, kind: str, arrays: tuple) -> tuple:
