@@ -40,10 +40,14 @@ def test_chat_eval_serves_the_folder_and_updates_its_report(trained):
     assert f["tool_calls_parsed"]["of"] == 2 and f["ask_exact"]["of"] == 1 and f["chat_empty"]["of"] >= 4
     from kimi_jax.training.report import update_report
 
+    with open(os.path.join(out, "TRAINING.md"), "a") as fh:  # what train_vision appends
+        fh.write("\n## Vision\n\nA tower, held-out accuracy 1.\n")
     update_report(out, {"chat_eval": found})
     with open(os.path.join(out, "training.json")) as fh:
         assert json.load(fh)["chat_eval"]["figures"] == f
-    assert "parsed into `tool_calls`" in open(os.path.join(out, "TRAINING.md")).read()
+    md = open(os.path.join(out, "TRAINING.md")).read()
+    assert "parsed into `tool_calls`" in md
+    assert md.endswith("\n## Vision\n\nA tower, held-out accuracy 1.\n") and md.count("## Vision") == 1
 
 
 def test_summary_match():

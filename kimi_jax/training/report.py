@@ -52,16 +52,25 @@ def training_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+APPENDED_SECTIONS = ("\n## Vision\n",)
+"""Sections other scripts append to a TRAINING.md (``train_vision``); a rewrite keeps them."""
+
+
 def update_report(folder: str, found: dict) -> None:
-    """Merge ``found`` into ``folder/training.json`` and rewrite ``folder/TRAINING.md``."""
+    """Merge ``found`` into ``folder/training.json`` and rewrite ``folder/TRAINING.md`` (keeping its appended
+    sections)."""
     path = os.path.join(folder, "training.json")
     with open(path) as f:
         result = json.load(f)
     result.update(found)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(folder, "TRAINING.md"), "w") as f:
-        f.write(markdown(result))
+    md_path = os.path.join(folder, "TRAINING.md")
+    old = open(md_path).read() if os.path.exists(md_path) else ""
+    starts = [old.find(s) for s in APPENDED_SECTIONS if s in old]
+    kept = old[min(starts):] if starts else ""
+    with open(md_path, "w") as f:
+        f.write(markdown(result) + kept)
 
 
 def markdown(r: dict) -> str:
