@@ -151,6 +151,13 @@ class HostKVStore:
             return StoreStats(pages, len(self._lru) - pages, self._bytes,
                               sum(1 for e in self._lru.values() if e.pins))
 
+    def arrays(self) -> list:
+        """Every array held (copies still queued count as none), e.g. to wait until the queued saves land."""
+        with self._lock:
+            return [a for e in self._lru.values() for field in ((e.data,) if isinstance(e, HostPage)
+                                                                 else (e.state, e.tail_page))
+                    if field is not None for a in field]
+
     def clear(self) -> None:
         """Drop every unpinned entry."""
         with self._lock:
