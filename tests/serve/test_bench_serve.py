@@ -136,7 +136,8 @@ def test_spec_counters_parsed_summed_over_labels_and_differenced():
     before = SpecCounters(5.0, 15.0, 2.0, (2.0,))
     got = after.minus(before).summary()
     assert got["num_drafts"] == 5 and got["num_accepted_tokens"] == 10
-    assert got["mean_acceptance_length"] == pytest.approx(3.0) and got["draft_acceptance_rate"] == pytest.approx(10 / 15)
+    assert got["mean_acceptance_length"] == pytest.approx(3.0)
+    assert got["draft_acceptance_rate"] == pytest.approx(10 / 15)
     assert got["acceptance_rate_per_position"] == pytest.approx([6 / 5, 4 / 5])
     assert parse_spec_counters('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1.0\n') is None
 
