@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="tokens per page (default: 64 on GPU, 16 on CPU)")
     p.add_argument("--memory-gib", type=float, default=4.0, help="cache pools of each runner")
     p.add_argument("--impl", default=None)
+    p.add_argument("--matmul-precision", default="highest",
+                   help="jax_default_matmul_precision (highest: fp32 matmuls stay fp32 on a GPU, not TF32, so the "
+                        "dspark case's greedy check compares exact arithmetic; bf16 matmuls are unaffected)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
@@ -308,6 +311,13 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import jax
+
+    with jax.default_matmul_precision(args.matmul_precision):  # lowering happens inside, so it sticks
+        return _run(args)
+
+
+def _run(args) -> int:
     import jax
 
     on_gpu = jax.devices()[0].platform == "gpu"
