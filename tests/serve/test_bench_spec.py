@@ -1,12 +1,13 @@
-"""`python -m serve.bench.spec` at toy size on the CPU: both cases (a random DSpark drafter, n-gram on a
-repetition workload) on a 2-layer hybrid model, one repeat, a batch of two: rows with both arms' figures, the
-greedy check (and a corrupted output that makes it fail with exit status 1), pools free, nothing compiled while
-running, the JSON rewritten per row, and the deadline."""
+"""`python -m serve.bench.spec` at toy size on the CPU: every case (a random DSpark drafter, n-gram on a
+repetition workload, a draft model with the target's weights) on a 2-layer hybrid model, one repeat, a batch of
+two: rows with both arms' figures, the greedy check (and a corrupted output that makes it fail with exit status
+1), pools free, nothing compiled while running, the JSON rewritten per row, skipped cases and the deadline."""
 
 from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -44,6 +45,14 @@ def toy_ngram(args):
     return model, spec, None, bench.repetition_prompts(TOY.vocab_size, max(args.batches), args.prompt_len, args.span)
 
 
+def toy_draft_model(args):
+    model = toy_model()
+    graphdef, state = nnx.split(model)
+    twin = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    prompts = bench.code_prompts(load_tokenizer("tiny"), max(args.batches), args.prompt_len)
+    return model, {"method": "draft_model", "model": "twin", "num_speculative_tokens": 2}, twin, prompts
+
+
 @pytest.fixture
 def toy(monkeypatch):
     """The toy setups, with runners reused across this module's runs (one compile per arm and case)."""
@@ -58,12 +67,13 @@ def toy(monkeypatch):
     monkeypatch.setattr(bench, "build_runner", cached)
     monkeypatch.setitem(bench.SETUPS, "dspark", toy_dspark)
     monkeypatch.setitem(bench.SETUPS, "ngram", toy_ngram)
+    monkeypatch.setitem(bench.SETUPS, "draft_model", toy_draft_model)
 
 
-def test_both_cases_report_both_arms_with_identical_greedy_outputs(toy, tmp_path):
-    assert bench.main([*ARGV, "--out", str(tmp_path)]) == 0
+def test_every_case_reports_both_arms_with_identical_greedy_outputs(toy, tmp_path):
+    assert bench.main([*ARGV, "--cases", "dspark", "ngram", "draft_model", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_spec.json").read_text())
-    assert [c["case"] for c in doc["cases"]] == ["dspark", "ngram"] and not doc["stopped_by_deadline"]
+    assert [c["case"] for c in doc["cases"]] == ["dspark", "ngram", "draft_model"] and not doc["stopped_by_deadline"]
     for case in doc["cases"]:
         assert [r["batch"] for r in case["rows"]] == [2] and case["compiles_while_running"] == 0
         k = case["spec_config"]["num_speculative_tokens"]
@@ -74,8 +84,9 @@ def test_both_cases_report_both_arms_with_identical_greedy_outputs(toy, tmp_path
                                                    / row["plain_per_user_tokens_per_s"]["median"])
             per_pos = row["acceptance_rate_per_position"]
             assert len(per_pos) == k and row["mean_acceptance_length"] == pytest.approx(1 + sum(per_pos))
-    dspark = doc["cases"][0]["rows"]
+    dspark, twin = doc["cases"][0]["rows"], doc["cases"][2]["rows"]
     assert all(r["draft_rows"] > 0 and r["verification_steps"] > 0 for r in dspark)  # the drafter always drafts
+    assert all(r["mean_acceptance_length"] > 2.0 for r in twin)  # the target's own drafts: nearly all accepted
 
 
 def test_a_differing_greedy_output_fails_the_dspark_case(toy, tmp_path, monkeypatch):
@@ -91,6 +102,12 @@ def test_a_differing_greedy_output_fails_the_dspark_case(toy, tmp_path, monkeypa
     assert bench.main([*ARGV, "--cases", "dspark", "--out", str(tmp_path)]) == 1
     row = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]["rows"][0]
     assert row["greedy_mismatches"] == 1 and row["mismatch_examples"][0]["position"] == 2
+
+
+def test_cases_without_a_drafter_are_skipped(tmp_path):
+    assert bench.main([*ARGV, "--cases", "draft_model", "--out", str(tmp_path)]) == 0
+    case = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]
+    assert case["rows"] == [] and "--draft-model" in case["skipped"]
 
 
 def test_deadline_and_bad_arguments(tmp_path):
