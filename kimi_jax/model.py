@@ -99,7 +99,8 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
     ``impl`` picks the op implementations (None: backend default); ``mla_form`` the MLA attention form
     ("absorbed", "unabsorbed", or "auto" from the step's shapes: the same function; see kimi_jax.layers.mla);
     ``finite_pages``: the MLA pool holds no NaN (False when freed pages are NaN-poisoned, the engine's test mode;
-    see ``mla_layer``). Pages of MLA layers beyond the model's own (a drafter's) are carried through untouched.
+    see ``mla_layer``). Pages of MLA layers beyond the model's own (a drafter's) and a draft model's pools
+    (``cache.draft``) are carried through untouched.
 
     ``parallel``: None (one device, or GSPMD partitioning from the parameter placements with pure-XLA ops), or a
     ``sharding.Parallel`` whose ``kda`` / ``mla`` / ``dense_mlp`` / ``moe`` / ``replicated`` methods run each
@@ -187,7 +188,8 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
         aux["router_counts"] = jnp.stack(router_stats)
     if taps:
         aux["taps"] = jnp.stack([tapped[i] for i in taps])
-    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales, media=cache.media)
+    return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales, media=cache.media,
+                               draft=cache.draft)
 
 
 def embed_tokens(model: KimiModel, token_ids: jax.Array, media: jax.Array | None) -> jax.Array:

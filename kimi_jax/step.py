@@ -61,8 +61,8 @@ class StepInputs:
         return self.context_lens.shape[0]
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["mla", "kda_state", "kda_conv", "mla_scales", "media"],
-         meta_fields=[])
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["mla", "kda_state", "kda_conv", "mla_scales", "media", "draft"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
     """Paged MLA latent pages and slot-indexed KDA state, stacked over layers of each kind.
@@ -75,6 +75,8 @@ class HybridCache:
     media      [R, D] model dtype                           encoder outputs (merged vision tokens) of the images
                                                             being prefilled: a token id ``vocab_size + r`` in a
                                                             step stands for row r; None for a text-only engine
+    draft      HybridCache or None                          a draft model's own pools (speculative decoding),
+                                                            indexed by the same block ids and slot ids
     """
 
     mla: jax.Array
@@ -82,13 +84,15 @@ class HybridCache:
     kda_conv: jax.Array
     mla_scales: jax.Array | None = None
     media: jax.Array | None = None
+    draft: "HybridCache | None" = None
 
     @property
     def fp8(self) -> bool:
         return self.mla_scales is not None
 
     def pools(self) -> dict[str, jax.Array]:
-        """The page and slot pool arrays by field name (``mla_scales`` only for an fp8 cache; not ``media``)."""
+        """The page and slot pool arrays by field name (``mla_scales`` only for an fp8 cache; not ``media``, not
+        the ``draft`` pools)."""
         names = ("mla", "kda_state", "kda_conv") + (("mla_scales",) if self.fp8 else ())
         return {name: getattr(self, name) for name in names}
 

@@ -147,7 +147,8 @@ def fitted_cache_specs(cache: HybridCache, sizes: Mapping[str, int]) -> HybridCa
     """:func:`cache_specs` fitted to the pool shapes of ``cache`` (arrays or ``jax.ShapeDtypeStruct``)."""
     specs = cache_specs()
     fitted = {name: fit_spec(getattr(specs, name), pool.shape, sizes) for name, pool in cache.pools().items()}
-    return HybridCache(**fitted, media=None if cache.media is None else specs.media)
+    draft = None if cache.draft is None else fitted_cache_specs(cache.draft, sizes)
+    return HybridCache(**fitted, media=None if cache.media is None else specs.media, draft=draft)
 
 
 def conv_channel_order(cfg, tp: int) -> np.ndarray:

@@ -2,6 +2,10 @@
 
     python -m kimi_jax.training.train_drafter --out kimi_jax/assets/tiny-dspark --steps N [--time-budget S]
 
+The engine's default drafter for a target ``T`` (``--speculative-config '{"method": "dspark", ...}'`` without
+``model``) is the folder ``T-dspark`` beside it: ``kimi_jax/assets/tiny-dspark`` for the preset ``tiny``,
+``DIR-dspark`` for a checkpoint folder ``DIR``.
+
 The target (default: the shipped ``tiny``) stays frozen. Every step runs it over packed windows of the training
 corpus with its residual stream tapped at ``--taps`` (``forward(..., taps=...)``, the serving forward), then trains
 the drafter through the serving drafter functions (``kimi_jax.drafter``): the fused taps are cached as context
@@ -254,7 +258,7 @@ def report(r: dict) -> str:
     e = r["heldout"]
     per_pos = ", ".join(f"{x:.2f}" for x in e["acceptance_per_position"])
     return "\n".join([
-        "# The shipped DSpark drafter of `tiny`", "",
+        f"# The DSpark drafter of `{os.path.basename(os.path.normpath(r['target']))}`", "",
         f"Trained by `{r['command']}` on {r['device']}: {r['steps']} steps x {r['batch']} windows x "
         f"{r['seq_len']} tokens ({r['anchors']} blocks per window), {r['train_seconds']:.0f} s.",
         f"Architecture: {json.dumps(r['config'])}.", "",

@@ -8,6 +8,11 @@ the device (output processing), plus the
 roofline: bytes a decode step must read (active weights, KDA state read + write, MLA latents) over the copy
 bandwidth.
 
+With ``--speculative-config`` (the server's JSON; ``dspark`` needs a drafter folder for this shape in its
+``model``) the engine speculates: tok/s then counts every emitted token (accepted drafts included), and each row
+adds the acceptance of its timed steps (mean acceptance length, rate per draft position) and how many of them
+were verification steps. Speculation is off for batches of ``disable_by_batch_size`` or more, as when serving.
+
     PYTHONPATH=. python3 -m serve.bench.decode --preset kimi-linear-48b --layers 4 --impl reference
 """
 
@@ -65,6 +70,20 @@ def time_to_first_token(runner, cfg, args, rng) -> dict:
     n = args.ttft_prompt_len
     return dict(prompt_len=n, chunk=args.prefill_chunk, first_run_s=seconds[0], ttft_s=seconds[1],
                 prefill_tokens_per_s=n / seconds[1])
+
+
+def _spec_counts(engine) -> tuple[int, int, list[int]]:
+    """(verification rows with drafts, accepted drafts, accepted per position) so far; zeros without speculation."""
+    s = engine.stats().spec_decode
+    return (0, 0, []) if s is None else (s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_pos))
+
+
+def _acceptance(before: tuple, after: tuple) -> dict:
+    """The acceptance of the steps between two ``_spec_counts``: mean acceptance length (1 + accepted drafts per
+    row with drafts) and the acceptance rate per draft position."""
+    rows, accepted = after[0] - before[0], after[1] - before[1]
+    per_pos = [(b - a) / rows if rows else 0.0 for a, b in zip(before[2], after[2])]
+    return dict(mean_acceptance_length=1.0 + accepted / rows if rows else 1.0, acceptance_per_position=per_pos)
 
 
 def _option_value(text: str) -> bool | int | str:
@@ -128,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="add an XLA compile option to the engine's GPU executables (serve.engine.runner."
                              "GPU_COMPILER_OPTIONS), e.g. xla_gpu_autotune_level=0; repeatable")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding as `kimi-jax serve --speculative-config` takes it, e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--repeat-span", type=int, default=0,
+                        help="> 0: each prompt repeats a random span of this many tokens (n-gram lookup then finds "
+                             "drafts); 0: random prompts")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
@@ -145,7 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     from serve.engine import runner as runner_module
     from serve.engine.runner import ModelRunner
     from serve.engine.sampling_params import SamplingParams
+    from serve.engine.spec_config import SpeculativeConfig
+    from serve.bench.spec import repetition_prompts
 
+    try:
+        spec = None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config)
+    except ValueError as e:
+        parser.error(str(e))
     for option in args.xla_option:
         name, _, value = option.partition("=")
         runner_module.GPU_COMPILER_OPTIONS = {**runner_module.GPU_COMPILER_OPTIONS, name: _option_value(value)}
@@ -176,19 +207,28 @@ def main(argv: list[str] | None = None) -> None:
 
         use_mgpu_layout(model.moe)
     max_batch = max(args.batches)
-    decode_tokens = args.decode_steps + 4 + (max_batch * args.prompt_len) // args.prefill_chunk + 2
+    per_step = 1 + (spec.num_speculative_tokens if spec else 0)  # most tokens a step emits per request
+    decode_tokens = per_step * (args.decode_steps + 4) + (max_batch * args.prompt_len) // args.prefill_chunk + 2
     max_model_len = args.prompt_len + decode_tokens + args.block_size
 
-    def make_runner(max_len: int, seqs: tuple[int, ...]) -> ModelRunner:
+    def make_runner(max_len: int, seqs: tuple[int, ...], speculative: SpeculativeConfig | None) -> ModelRunner:
         """One page bucket (the longest request's pages), token bucket ``--prefill-chunk``, the given N buckets."""
         bs = args.block_size
+        drafter = None
+        if speculative is not None and speculative.method == "dspark":
+            from kimi_jax.weights.drafter_io import load_drafter
+
+            if speculative.model is None:
+                parser.error("speculative_config.model: dspark needs a drafter folder for this model's shape")
+            drafter = load_drafter(speculative.model, model)
         return ModelRunner(model, EngineConfig(
             max_model_len=max_len, max_num_seqs=max(seqs), max_num_batched_tokens=args.prefill_chunk,
             block_size=bs, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,), seq_buckets=seqs,
             page_buckets=(-(-max_len // bs),), memory_budget_bytes=int(args.memory_gib * (1 << 30)),
-            compile_threads=8, mxfp4_byte_order=args.mxfp4_byte_order), impl=args.impl)
+            compile_threads=8, mxfp4_byte_order=args.mxfp4_byte_order, speculative_config=speculative),
+            impl=args.impl, drafter=drafter)
 
-    runner = make_runner(max_model_len, tuple(args.batches))
+    runner = make_runner(max_model_len, tuple(args.batches), spec)
     setup = time.perf_counter() - start
     print(f"{jax.devices()[0].device_kind}: {args.preset} x {n} layers {cfg.layer_types}, "
           f"{sum(p.nbytes for p in runner.params) / 1e9:.2f} GB params; setup {setup:.1f}s "
@@ -199,17 +239,23 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for batch in args.batches:
         engine = LLMEngine(runner, config=EngineConfig(max_num_seqs=batch, max_num_batched_tokens=args.prefill_chunk,
-                                                       enable_prefix_caching=False))
+                                                       enable_prefix_caching=False, speculative_config=spec))
         params = SamplingParams(temperature=args.temperature, top_p=0.9 if args.temperature else 1.0,
                                 max_tokens=decode_tokens, ignore_eos=True, seed=0)
+        if args.repeat_span:
+            prompts = repetition_prompts(cfg.vocab_size, batch, args.prompt_len, args.repeat_span, seed=batch)
+        else:
+            prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
         for i in range(batch):
-            engine.add_request(f"b{batch}-{i}", rng.integers(0, cfg.vocab_size, args.prompt_len).tolist(), params)
+            engine.add_request(f"b{batch}-{i}", prompts[i], params)
         requests = [engine.scheduler.requests[f"b{batch}-{i}"] for i in range(batch)]
         while not all(r.num_output_tokens >= 2 for r in requests):  # prefill done, every request decoding
             engine.step()
         engine.step()
         timings = []
         runner.launch_counts.clear()
+        emitted_before = sum(r.num_output_tokens for r in requests)
+        spec_before = _spec_counts(engine)
         t0 = time.perf_counter()
         calls = []
         for _ in range(args.decode_steps):
@@ -217,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
             timings.append(engine.last_timing)
             calls.append(runner.last_call_seconds)
         wall = (time.perf_counter() - t0) / args.decode_steps
+        emitted = (sum(r.num_output_tokens for r in requests) - emitted_before) / args.decode_steps
+        acceptance = _acceptance(spec_before, _spec_counts(engine))
         digest = zlib.crc32(np.asarray([t for r in requests for t in r.output_token_ids], np.int64).tobytes())
         device = runner.time_step(args.decode_steps)
         if args.profile:  # the step relaunched back to back, then the engine's own loop
@@ -234,13 +282,17 @@ def main(argv: list[str] | None = None) -> None:
         launch = float(np.mean([t.launch for t in timings]))
         greedy_launches = sum(n for key, n in runner.launch_counts.items() if key[4])
         ahead = float(np.mean([t.ahead for t in timings]))
-        rows.append(dict(batch=batch, tokens_per_s=batch / wall, step_ms=wall * 1e3, device_ms=device * 1e3,
+        verify_launches = sum(n for key, n in runner.launch_counts.items() if len(key) == 6)
+        spec_row = {} if spec is None else dict(tokens_per_step=emitted, verification_steps=verify_launches,
+                                                **acceptance)
+        rows.append(dict(batch=batch, tokens_per_s=emitted / wall, tokens_per_s_per_user=emitted / wall / batch,
+                         step_ms=wall * 1e3, device_ms=device * 1e3,
                          host_serial_ms=serial * 1e3, launch_ms=launch * 1e3,
                          executable_call_ms=float(np.mean(calls)) * 1e3, host_overlapped_ms=overlapped * 1e3,
                          ahead_fraction=ahead, greedy_variant_launches=greedy_launches,
                          host_overhead=max(0.0, wall - device) / wall, roofline_ms=roof * 1e3,
                          roofline_tokens_per_s=batch / roof, fraction_of_roofline=roof / wall,
-                         output_tokens_crc32=digest))
+                         output_tokens_crc32=digest, **spec_row))
         print(json.dumps(rows[-1]), flush=True)
         for r in requests:
             engine.abort_request(r.request_id)
@@ -249,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ttft = None
     if args.ttft_prompt_len:
-        ttft_runner = make_runner(args.ttft_prompt_len + args.block_size, (1,))
+        ttft_runner = make_runner(args.ttft_prompt_len + args.block_size, (1,), None)
         ttft = time_to_first_token(ttft_runner, cfg, args, rng)
         print(json.dumps(dict(ttft=ttft)), flush=True)
 

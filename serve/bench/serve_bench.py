@@ -1,8 +1,9 @@
 """`kimi-jax bench serve`: a load generator for any OpenAI-compatible server, modelled on `vllm bench serve`.
 
 Sends a dataset of streamed requests at a fixed request rate (Poisson, or gamma with --burstiness) and/or with a
-concurrency cap, then prints request and token throughput and TTFT / TPOT / ITL / E2EL statistics, and with
---save-result writes them (plus per-request lists) as JSON.
+concurrency cap, then prints request and token throughput and TTFT / TPOT / ITL / E2EL statistics (against a
+speculating server also the run's draft acceptance, from the difference of its ``/metrics`` counters before and
+after the run: ``spec_metrics.py``), and with --save-result writes them (plus per-request lists) as JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from serve.bench.client import RequestResult, build_payload, send_request
 from serve.bench.datasets import BenchRequest, random_requests, shared_prefix_requests
+from serve.bench.spec_metrics import SpecCounters, format_spec_report, scrape_spec_counters
 from serve.bench.stats import METRIC_TITLES, format_report, summarize
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -118,6 +120,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             async with limit:
                 return await send_request(client, url, payload(request), request, chat=chat, headers=headers)
 
+        spec_before = await scrape_spec_counters(client, base_url, headers)
         start = time.perf_counter()
         tasks = []
         for request, delay in zip(requests, delays):
@@ -125,6 +128,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             tasks.append(asyncio.create_task(one(request)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        spec_after = await scrape_spec_counters(client, base_url, headers)
     metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     summary = summarize(list(results), duration, metrics=metrics, percentiles=percentiles)
@@ -132,8 +136,12 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
                     "dataset_name": args.dataset_name, "num_prompts": len(requests),
                     "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                     "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
-    print(format_report(summary, metrics=metrics, percentiles=percentiles, request_rate=args.request_rate,
-                        max_concurrency=args.max_concurrency))
+    report = format_report(summary, metrics=metrics, percentiles=percentiles, request_rate=args.request_rate,
+                           max_concurrency=args.max_concurrency)
+    if spec_after is not None:  # a speculating server: the run's acceptance from its /metrics counters
+        summary["spec_decode"] = spec_after.minus(spec_before or SpecCounters()).summary()
+        report = report.rsplit("\n", 1)[0] + "\n" + format_spec_report(summary["spec_decode"]) + "\n" + "=" * 50
+    print(report)
     return summary
 
 

@@ -507,14 +507,21 @@ def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfi
 
 
 def _load_drafter(spec, model, lm):
-    """The DSpark drafter a speculative config names: ``spec.model`` (a folder or a preset with a shipped
-    drafter), else the drafter shipped beside the preset ``model`` (``<preset>-dspark``)."""
-    if spec is None or spec.method != "dspark":
+    """The draft model a ``draft_model`` config names (``spec.model``), or the DSpark drafter of a ``dspark`` one:
+    ``spec.model`` (a folder or a preset with a shipped
+    drafter), else the one beside the target: ``<folder>-dspark`` for a checkpoint folder, the shipped
+    ``kimi_jax/assets/<preset>-dspark`` for a preset."""
+    if spec is None or spec.method == "ngram":
         return None
+    if spec.method == "draft_model":  # a preset or checkpoint folder of the same family, in the target's dtype
+        from kimi_jax.api import load
+
+        target = lm.model if hasattr(lm, "model") else lm
+        return load(spec.model, target.dtype, impl=getattr(lm, "impl", None)).model
     from kimi_jax.api import shipped_checkpoint
     from kimi_jax.weights.drafter_io import load_drafter
 
-    name = spec.model or (f"{model}-dspark" if isinstance(model, str) else None)
+    name = spec.model or (os.path.normpath(model) + "-dspark" if isinstance(model, str) else None)
     folder = name if name and os.path.isdir(name) else shipped_checkpoint(name) if name else None
     if folder is None:
         raise ValueError(f"speculative_config.model: no DSpark drafter at {name!r} (a checkpoint folder or a "

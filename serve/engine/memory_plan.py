@@ -18,7 +18,8 @@ class CacheDims:
     mla: ``num_mla_layers`` x [num_blocks, block_size, R + K_rope] at ``mla_dtype_bytes`` plus ``mla_scale_bytes``
     per token (an fp8 cache's f32 scale, else 0);
     kda: ``num_kda_layers`` x recurrent state [S, HV, K, V] at ``state_dtype_bytes`` plus conv state
-    [S, W-1, 2*H*K + HV*V] at ``conv_dtype_bytes``.
+    [S, W-1, 2*H*K + HV*V] at ``conv_dtype_bytes``. ``draft``: a draft model's pools, which share the block and
+    slot ids (their bytes are added to each page and slot).
     """
 
     num_mla_layers: int
@@ -36,6 +37,7 @@ class CacheDims:
     conv_dtype_bytes: int = 4
     kda_shards: int = 1  # a slot's state is split over this many devices (KDA heads over tensor x dcp)
     mla_shards: int = 1  # a page's id range is split over this many devices (blocks over dcp)
+    draft: "CacheDims | None" = None
 
     @classmethod
     def from_model_config(cls, cfg, *, mla_dtype_bytes: int = 2, mla_scale_bytes: int = 0,
@@ -62,7 +64,8 @@ class CacheDims:
         """One MLA page in every MLA layer: num_mla_layers * block_size * ((R + K_rope) * dtype bytes + scale bytes),
         per device (divided by ``mla_shards``)."""
         row = (self.kv_lora_rank + self.qk_rope_head_dim) * self.mla_dtype_bytes + self.mla_scale_bytes
-        return -(-self.num_mla_layers * block_size * row // self.mla_shards)
+        own = -(-self.num_mla_layers * block_size * row // self.mla_shards)
+        return own + (self.draft.bytes_per_block(block_size) if self.draft is not None else 0)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -70,7 +73,8 @@ class CacheDims:
         (divided by ``kda_shards``)."""
         state = self.kda_num_v_heads * self.kda_head_dim * self.kda_v_head_dim * self.state_dtype_bytes
         conv = (self.conv_kernel - 1) * self.conv_channels * self.conv_dtype_bytes
-        return -(-self.num_kda_layers * (state + conv) // self.kda_shards)
+        own = -(-self.num_kda_layers * (state + conv) // self.kda_shards)
+        return own + (self.draft.bytes_per_slot if self.draft is not None else 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,7 @@ from serve.engine.outputs import SampledTokens
 from serve.engine.outputs import SpecTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from serve.engine.speculation import SpecPlan, draft_next, verify_rows
+from serve.engine.speculation import SpecPlan, draft_model_next, draft_next, verify_rows
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
 from sharding.parallel import parallel_for
@@ -130,7 +130,9 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
 
     ``plan`` (static): speculative decoding, or None. Verification steps (``step.verify_len``) verify each
     sequence's drafts (``speculation.verify_rows``); with a DSpark drafter (``drafter_params``) every step also
-    caches its context and drafts the next block after each sequence's new token. ``draft_probs [S, k, V]``
+    caches its context and drafts the next block after each sequence's new token; with a draft model
+    (``drafter_params`` its parameters) every step also runs it on its own pools and drafts k tokens after each
+    sequence's new token (``speculation.draft_model_next``). ``draft_probs [S, k, V]``
     carries the drafter's distributions from one step to the next when drafts are sampled (a [1, 1, 1]
     placeholder otherwise): row ``batch.draft_rows[n]`` of the step before is sequence n's."""
     batch = join(unpack(words, layout), optional)
@@ -157,6 +159,12 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         emitted = jnp.ones(n, jnp.int32)
         spec = None if plan is None else SpecTokens(jnp.zeros(n, jnp.int32), sampled.token_ids[:, None],
                                                     jnp.zeros((n, plan.num_tokens), jnp.int32), jnp.zeros(n, jnp.int32))
+    if plan is not None and plan.has_draft_model:
+        fed = emitted if step.verify_len else step.cu_seqlens[1:] - step.cu_seqlens[:-1]
+        cache, drafts = draft_model_next(plan, drafter_params, cache, step, sampled.token_ids, step.context_lens + fed,
+                                         spec.num_accepted if step.verify_len else None, impl=impl,
+                                         finite_pages=finite_pages)
+        spec = dataclasses.replace(spec, drafts=drafts, num_drafts=jnp.full(n, plan.num_tokens, jnp.int32))
     if plan is not None and plan.has_drafter:
         q_lens = step.cu_seqlens[1:] - step.cu_seqlens[:-1]
         fed = emitted if step.verify_len else q_lens
@@ -201,21 +209,24 @@ def _greedy(logits: jax.Array, impl: str | None) -> SampledTokens:
 
 def _copy_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> HybridCache:
     """blocks, slots [2, C] (source row, destination row; (0, 0) = padding): copy whole MLA pages (and their fp8
-    scales) in every MLA layer and KDA recurrent + conv state in every KDA layer; all sources are read before
-    any write."""
+    scales) in every MLA layer and KDA recurrent + conv state in every KDA layer, a draft model's pools too; all
+    sources are read before any write."""
     def copy(name: str, pool: jax.Array) -> jax.Array:
         rows = blocks if name.startswith("mla") else slots
         return pool.at[:, rows[1]].set(pool[:, rows[0]])
 
-    return dataclasses.replace(cache, **{name: copy(name, pool) for name, pool in cache.pools().items()})
+    draft = None if cache.draft is None else _copy_entries(cache.draft, blocks, slots)
+    return dataclasses.replace(cache, draft=draft, **{name: copy(name, pool) for name, pool in cache.pools().items()})
 
 
 def _poison_entries(cache: HybridCache, blocks: jax.Array, slots: jax.Array) -> HybridCache:
-    """Fill pages ``blocks [C]`` and slots ``slots [C]`` with NaN (out-of-range ids = padding, dropped)."""
+    """Fill pages ``blocks [C]`` and slots ``slots [C]`` with NaN, a draft model's pools too (out-of-range ids =
+    padding, dropped)."""
     def poison(name: str, pool: jax.Array) -> jax.Array:
         return pool.at[:, blocks if name.startswith("mla") else slots].set(jnp.nan, mode="drop")
 
-    return dataclasses.replace(cache, **{name: poison(name, pool) for name, pool in cache.pools().items()})
+    draft = None if cache.draft is None else _poison_entries(cache.draft, blocks, slots)
+    return dataclasses.replace(cache, draft=draft, **{name: poison(name, pool) for name, pool in cache.pools().items()})
 
 
 class StepHandle:
@@ -274,7 +285,8 @@ class ModelRunner:
       impl: op implementation passed to the forward (None = backend default).
       warm_up: compile every bucket now (else call ``warm_up()`` before the first step).
       drafter: the DSpark drafter (``kimi_jax.drafter.DSparkDrafter``) when ``config.speculative_config`` asks
-        for one; its page layers follow the model's in the MLA pool.
+        for one (its page layers follow the model's in the MLA pool), or the draft model (a ``KimiModel`` with
+        the target's vocabulary) for ``draft_model`` (its pools are ``cache.draft``).
 
     MXFP4 experts are re-laid in place into the word (or pair-halves) byte order first when
     ``config.mxfp4_byte_order`` asks for it ("auto": Pallas on a GPU), so the model passed in holds ``{w}_words``
@@ -316,6 +328,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.model_dtype = model.dtype
         self.kv_dtype = jnp.dtype(kv_cache_dtype_name(self.config.kv_cache_dtype, jnp.dtype(model.dtype)))
+        self.draft_config = None  # a draft model's ModelConfig (its pools are cache.draft)
         self.spec_plan, self.drafter_params, self.num_draft_layers = self._speculation(model, drafter)
         self.encoder = self._vision_encoder(vision)
         self.plan = self._plan_pools()
@@ -390,11 +403,11 @@ class ModelRunner:
             if drafter is not None:
                 raise ValueError("a drafter was given but EngineConfig.speculative_config is None")
             return None, [], 0
-        if spec.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not served yet: use 'ngram' or 'dspark'")
         if self.mesh.size > 1:
             raise ValueError("speculative decoding runs on one device for now (its verification and drafting steps "
                              "have no shard_map layouts yet): drop --speculative-config or the parallelism flags")
+        if spec.method == "draft_model":
+            return self._draft_model_plan(spec, drafter)
         if spec.method != "dspark":
             return SpecPlan(spec.method, spec.num_speculative_tokens, spec.rejection_sample_method,
                             spec.draft_sample_method), [], 0
@@ -410,6 +423,26 @@ class ModelRunner:
                         spec.draft_sample_method, spec.min_draft_confidence, drafter.config.target_layer_ids,
                         len(self.model_config.mla_layers), graphdef, treedef)
         return plan, params, drafter.config.num_layers
+
+    def _draft_model_plan(self, spec, draft: KimiModel | KimiLM | None) -> tuple[SpecPlan, list, int]:
+        """A draft model of the same family: the same vocabulary, its pools beside the target's."""
+        if isinstance(draft, KimiLM):
+            draft = draft.model
+        if not isinstance(draft, KimiModel):
+            raise ValueError("speculative_config.method 'draft_model' needs a draft model (speculative_config.model)")
+        if draft.config.vocab_size != self.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft model's vocabulary ({draft.config.vocab_size} ids) "
+                             f"must be the target's ({self.vocab_size} ids)")
+        use_serving_byte_order(draft, self.config.mxfp4_byte_order,
+                               fast_kernels=self.on_gpu and resolve_impl(self.impl) == "pallas")
+        relayout_conv(draft, 1)
+        self.draft_config = draft.config
+        graphdef, state = nnx.split(draft)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        params = [_place_param(leaf, self.replicated) for leaf in leaves]
+        plan = SpecPlan(spec.method, spec.num_speculative_tokens, spec.rejection_sample_method,
+                        spec.draft_sample_method, drafter_graphdef=graphdef, drafter_treedef=treedef)
+        return plan, params, 0
 
     def _initial_draft_probs(self) -> jax.Array:
         plan = self.spec_plan
@@ -451,6 +484,9 @@ class ModelRunner:
         dims = CacheDims.from_model_config(self.model_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize,
                                            mla_scale_bytes=4 if fp8 else 0, kda_shards=self.shape.tensor_parallel,
                                            mla_shards=self.shape.dcp, extra_mla_layers=self.num_draft_layers)
+        if self.draft_config is not None:
+            dims = dataclasses.replace(dims, draft=CacheDims.from_model_config(
+                self.draft_config, mla_dtype_bytes=jnp.dtype(self.kv_dtype).itemsize, mla_scale_bytes=4 if fp8 else 0))
         budget = cfg.memory_budget_bytes or (self._device_budget() if self.on_gpu else CPU_MEMORY_BUDGET)
         plan_args = dict(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                          num_checkpoint_slots=cfg.num_checkpoint_slots + cfg.num_speculative_slots)
@@ -476,10 +512,17 @@ class ModelRunner:
         return budget
 
     def _zero_cache(self) -> HybridCache:
-        make = partial(init_cache, self.model_config, num_blocks=self.plan.num_blocks,
-                       block_size=self.config.block_size, num_slots=self.plan.num_slots, dtype=self.kv_dtype,
-                       extra_mla_layers=self.num_draft_layers, media_rows=self.media_rows,
-                       media_dtype=self.model_dtype)
+        pools = dict(num_blocks=self.plan.num_blocks, block_size=self.config.block_size,
+                     num_slots=self.plan.num_slots, dtype=self.kv_dtype)
+        draft_config = self.draft_config
+
+        def make() -> HybridCache:
+            cache = init_cache(self.model_config, **pools, extra_mla_layers=self.num_draft_layers,
+                               media_rows=self.media_rows, media_dtype=self.model_dtype)
+            if draft_config is None:
+                return cache
+            return dataclasses.replace(cache, draft=init_cache(draft_config, **pools))
+
         specs = fitted_cache_specs(jax.eval_shape(make), MeshShape.of(self.mesh).sizes())
         self.cache_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
         self._make_cache = jax.jit(make, out_shardings=self.cache_shardings)  # kept: recover() calls it again

@@ -11,8 +11,8 @@ method                   "ngram" (prompt lookup on the host), "draft_model" (a s
 model                    the drafter: a preset name or a checkpoint folder (draft_model, dspark); for dspark the
                          default is the drafter shipped beside the target, when there is one
 num_speculative_tokens   k: drafts verified per step (1..7: a verification step feeds at most 8 tokens)
-draft_sample_method      "greedy" (drafts are the drafter's argmax) or "probabilistic" (drafts are sampled from
-                         the drafter's distribution at the request's temperature); both are lossless
+draft_sample_method      "greedy" (drafts are the drafter's argmax) or "probabilistic" (dspark: drafts are
+                         sampled from the drafter's distribution at the request's temperature); both are lossless
 rejection_sample_method  "probabilistic" (token-level: accept draft i with probability min(1, p/q)) or "block"
                          (block verification: never accepts fewer tokens in expectation); at temperature 0 both
                          reduce to greedy matching
@@ -71,6 +71,8 @@ class SpeculativeConfig:
                      f"must be an integer >= prompt_lookup_min ({lo}), got {hi!r}")
         elif self.method == "draft_model":
             _require(self.model is not None, "model", "is required by the draft_model method")
+            _require(self.draft_sample_method == "greedy", "draft_sample_method",
+                     "must be 'greedy' for draft_model (the draft model drafts its argmax)")
         if self.method != "dspark":
             _require(self.min_draft_confidence == 0.0, "min_draft_confidence", "applies to the dspark method only")
 

@@ -2,9 +2,12 @@
 
 A verification step (``StepInputs.verify_len = Tq = 1 + k``) feeds each sequence's last token and its drafts;
 the target's logits at all ``Tq`` rows go through the sequence's bitmask and penalties (neutral for speculating
-requests), are turned into the sampler's distributions and verified (``rejection.verify``). A DSpark drafter then
-runs in the same executable: every step (verification or not) caches the context latents of the rows it fed,
-and each sampled sequence gets the next block of drafts after its new token, so the host only reads tokens.
+requests), are turned into the sampler's distributions and verified (``rejection.verify``). A device drafter then
+runs in the same executable, so the host only reads tokens. DSpark: every step (verification or not) caches the
+context latents of the rows it fed, and each sampled sequence gets the next block of drafts after its new token.
+A draft model: it runs over the step's own inputs on its own pools (``cache.draft``: the same block and slot ids,
+so checkpoints, copies and verification's per-position states cover it exactly as the target's), then drafts k
+tokens one by one after the new token from a copy of its state after the accepted prefix, which is discarded.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from flax import nnx
 
 from kimi_jax.drafter import block_hidden, block_step, confidence, fuse_taps, markov_bias, write_context
 from kimi_jax.layers.common import rms_norm
-from kimi_jax.model import KimiModel, compute_logits
+from kimi_jax.model import KimiModel, compute_logits, forward
 from kimi_jax.step import HybridCache, StepInputs, token_layout
 from serve.engine import rejection
 from serve.engine.outputs import SampledTokens, SpecTokens
@@ -32,7 +35,8 @@ class SpecPlan:
 
     method "ngram" | "draft_model" | "dspark"; num_tokens k; rejection / draft_sampling as in SpeculativeConfig;
     min_confidence: dspark's confidence cut; taps: target layers the drafter reads; page_offset: its first page
-    layer in the MLA pool; drafter_graphdef / drafter_treedef: how to rebuild it from its flat parameters."""
+    layer in the MLA pool; drafter_graphdef / drafter_treedef: how to rebuild the drafter (dspark) or the draft
+    model from its flat parameters."""
 
     method: str
     num_tokens: int
@@ -46,7 +50,12 @@ class SpecPlan:
 
     @property
     def has_drafter(self) -> bool:
+        """A DSpark drafter (it reads the target's taps)."""
         return self.method == "dspark"
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
 
 def verify_rows(logits: jax.Array, step: StepInputs, sampling: SamplingTensors, prev_draft_probs: jax.Array | None,
@@ -136,3 +145,38 @@ def draft_next(plan: SpecPlan, model: KimiModel, drafter_params: list, cache: Hy
         num = jnp.full(n, k)
     cache = dataclasses.replace(cache, mla=pages, mla_scales=scales)
     return cache, jnp.stack(drafts, 1), num.astype(jnp.int32), jnp.stack(probs, 1) if sample else None
+
+
+def draft_model_next(plan: SpecPlan, draft_params: list, cache: HybridCache, step: StepInputs, first_tokens: jax.Array,
+                     positions: jax.Array, accepted: jax.Array | None, *, impl: str | None, finite_pages: bool
+                     ) -> tuple[HybridCache, jax.Array]:
+    """Advance the draft model over this step's inputs and draft the next k tokens of each sequence (greedy).
+
+    The committed pass feeds the draft model exactly what the target was fed, on ``cache.draft``: its state then
+    follows the target's (a verification step writes the state after every fed row to the checkpoint slots, and
+    the host keeps the accepted one as for the target). Drafting starts from a copy of the state after the
+    accepted prefix (``checkpoint_slots[n, accepted[n]]`` in a verification step, else the live slot) and feeds
+    ``first_tokens [N]`` (the new tokens, at ``positions [N]``) and then its own drafts; that copy is dropped,
+    and its page writes lie past the committed tokens, where the next step's writes replace them.
+    -> (cache, drafts [N, k] int32)."""
+    draft = nnx.merge(plan.drafter_graphdef, jax.tree.unflatten(plan.drafter_treedef, draft_params))
+    _, committed = forward(draft, cache.draft, step, impl=impl, mla_form="auto", finite_pages=finite_pages)
+    n = step.num_seqs
+    rows = jnp.arange(n)
+    source = step.state_slots if accepted is None else step.checkpoint_slots[rows, accepted]
+    pad = lambda a: jnp.concatenate([jnp.zeros_like(a[:, :1]), a[:, source]], axis=1)  # noqa: E731 - slot 0 spare
+    scratch = dataclasses.replace(committed, kda_state=pad(committed.kda_state), kda_conv=pad(committed.kda_conv))
+    real = (step.cu_seqlens[1:] > step.cu_seqlens[:-1]).astype(jnp.int32)  # padded sequences stay empty
+    cu_seqlens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(real, dtype=jnp.int32)])
+    tokens, drafts = first_tokens, []
+    for i in range(plan.num_tokens):
+        one = StepInputs(token_ids=tokens, cu_seqlens=cu_seqlens,
+                         context_lens=(positions + i).astype(jnp.int32), block_tables=step.block_tables,
+                         state_slots=1 + rows.astype(jnp.int32), logits_indices=rows.astype(jnp.int32),
+                         checkpoint_positions=jnp.full((n, 1), -1, jnp.int32),
+                         checkpoint_slots=jnp.zeros((n, 1), jnp.int32), decode_only=True)
+        hidden, scratch = forward(draft, scratch, one, impl=impl, mla_form="auto", finite_pages=finite_pages)
+        tokens = jnp.argmax(compute_logits(draft, hidden), axis=-1).astype(jnp.int32)
+        drafts.append(tokens)
+    pools = dataclasses.replace(committed, mla=scratch.mla, mla_scales=scratch.mla_scales)
+    return dataclasses.replace(cache, draft=pools), jnp.stack(drafts, 1)

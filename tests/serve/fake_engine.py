@@ -26,6 +26,7 @@ from serve.engine.outputs import (
     EngineStats,
     RequestMetrics,
     RequestOutput,
+    SpecDecodeStats,
 )
 from serve.engine.sampling_params import SamplingParams
 from serve.openai.constraints import allowed_ids
@@ -67,11 +68,13 @@ class FakeAsyncEngine:
       reply: the scripted model (see module docstring); tests may swap `engine.reply` between requests.
       step_delay_s: sleep per decode step, so streams interleave and can be cut mid-way.
       max_num_seqs: requests beyond this many running ones wait (shows in num_requests_waiting).
+      num_speculative_tokens: > 0: every token counts as one verification row of that many drafts, of which the
+        first ``token % (k + 1)`` were accepted (``stats().spec_decode``, so ``/metrics`` carries the counters).
     """
 
     def __init__(self, tokenizer, *, max_model_len: int = 512,
                  reply: Callable[[list[int], SamplingParams, int], str] = random_words_reply,
-                 step_delay_s: float = 0.002, max_num_seqs: int = 64):
+                 step_delay_s: float = 0.002, max_num_seqs: int = 64, num_speculative_tokens: int = 0):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_config = None
@@ -87,6 +90,8 @@ class FakeAsyncEngine:
         self._waiting = 0
         self._counts = collections.Counter()  # the counter fields of EngineStats
         self._seen_prompts: list[list[int]] = []
+        k = num_speculative_tokens
+        self.spec_decode = SpecDecodeStats(accepted_per_pos=[0] * k) if k else None
 
     def check_admission(self, num_prompt_tokens: int, n: int = 1) -> None:
         """Refuse with EngineOverloadedError while `overloaded` is set (tests of the 503)."""
@@ -105,7 +110,7 @@ class FakeAsyncEngine:
                     "generation_tokens")
         return EngineStats(num_running=len(self._running), num_waiting=self._waiting,
                            cache_usage=len(self._running) / self.max_num_seqs,
-                           **{name: self._counts[name] for name in counters})
+                           spec_decode=self.spec_decode, **{name: self._counts[name] for name in counters})
 
     async def abort(self, request_id: str) -> None:
         self._abort_requested.add(request_id)
@@ -189,6 +194,14 @@ class FakeAsyncEngine:
         params = seq.params
         seq.token_ids.append(token)
         self._counts["generation_tokens"] += 1
+        if self.spec_decode is not None:
+            spec, k = self.spec_decode, len(self.spec_decode.accepted_per_pos)
+            accepted = token % (k + 1)
+            spec.num_drafts += 1
+            spec.num_draft_tokens += k
+            spec.num_accepted_tokens += accepted
+            for position in range(accepted):
+                spec.accepted_per_pos[position] += 1
         if seq.logprobs is not None:
             entry = {token: -0.5}
             for rank in range(params.logprobs):

@@ -2,6 +2,7 @@
 the fake-engine server."""
 
 import argparse
+import dataclasses
 import json
 import random
 
@@ -13,6 +14,7 @@ from serve.bench import add_bench_args, main
 from serve.bench.client import RequestResult
 from serve.bench.datasets import random_requests, shared_prefix_requests
 from serve.bench.serve_bench import arrival_delays
+from serve.bench.spec_metrics import SpecCounters, parse_spec_counters
 from serve.bench.stats import format_report, summarize
 from serve.openai import ServerConfig, build_app
 from serve.openai.background import serve_in_thread
@@ -115,3 +117,55 @@ def test_run_fails_fast_without_the_api_key(server):
     args.api_key = None
     with pytest.raises(RuntimeError, match="HTTP 401"):
         main(args)
+
+
+def test_spec_counters_parsed_summed_over_labels_and_differenced():
+    text = "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        'vllm:spec_decode_num_drafts_total{model_name="a"} 4.0',
+        'vllm:spec_decode_num_drafts_total{model_name="b"} 6.0',
+        "# TYPE vllm:spec_decode_num_draft_tokens counter",
+        'vllm:spec_decode_num_draft_tokens_total{model_name="a"} 30.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="a"} 12.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="1"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="0"} 8.0', ""])
+    after = parse_spec_counters(text)
+    assert after == SpecCounters(10.0, 30.0, 12.0, (8.0, 4.0))
+    before = SpecCounters(5.0, 15.0, 2.0, (2.0,))
+    got = after.minus(before).summary()
+    assert got["num_drafts"] == 5 and got["num_accepted_tokens"] == 10
+    assert got["mean_acceptance_length"] == pytest.approx(3.0)
+    assert got["draft_acceptance_rate"] == pytest.approx(10 / 15)
+    assert got["acceptance_rate_per_position"] == pytest.approx([6 / 5, 4 / 5])
+    assert parse_spec_counters('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1.0\n') is None
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    engine = FakeAsyncEngine(load_tokenizer("tiny"), max_model_len=1024, step_delay_s=0.001, num_speculative_tokens=3)
+    with serve_in_thread(build_app(engine, ServerConfig(("tiny",), "tiny", api_key=API_KEY))) as url:
+        yield engine, url
+
+
+def test_report_carries_the_runs_acceptance_from_metrics(spec_server, server, capsys):
+    engine, url = spec_server
+    engine.reply = lambda prompt_ids, params, index: "alpha bravo charlie delta echo foxtrot golf hotel"
+    args = ["--num-prompts", "5", "--random-input-len", "8", "--random-output-len", "6", "--ignore-eos"]
+    main(bench_args(url, *args))  # the server's counters are not zero when the next run starts
+    start = dataclasses.replace(engine.spec_decode, accepted_per_pos=list(engine.spec_decode.accepted_per_pos))
+    summary = main(bench_args(url, *args))
+    end = engine.stats().spec_decode
+    # every request gets the same tokens: the run's 5 requests are 5/6 of what the 6 (with the probe, which the
+    # report leaves out) added
+    assert end.num_drafts - start.num_drafts == 36
+    spec = summary["spec_decode"]
+    assert spec["num_drafts"] == 30 and spec["num_draft_tokens"] == 90
+    accepted = end.num_accepted_tokens - start.num_accepted_tokens
+    assert accepted > 0 and spec["num_accepted_tokens"] == accepted * 5 // 6
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted * 5 / 6 / 30)
+    assert spec["acceptance_rate_per_position"] == pytest.approx(
+        [(b - a) * 5 / 6 / 30 for a, b in zip(start.accepted_per_pos, end.accepted_per_pos)])
+    assert "Mean acceptance length:" in capsys.readouterr().out
+    assert "spec_decode" not in main(bench_args(server[1], *args))  # a server that does not speculate

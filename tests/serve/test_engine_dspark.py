@@ -76,6 +76,25 @@ def test_drafter_checkpoint_round_trip(tmp_path):
         DSparkDrafter(DSparkConfig(target_layer_ids=(9,)), SMALL, rngs=nnx.Rngs(0))
 
 
+def test_the_default_drafter_is_the_one_beside_the_target(tmp_path, monkeypatch):
+    """No ``model`` in the config: ``<folder>-dspark`` beside a checkpoint folder (a trailing slash or not), the
+    shipped ``<preset>-dspark`` for a preset; none there is a ValueError naming the field."""
+    import kimi_jax.api
+    from serve.engine.engine import _load_drafter
+    from serve.engine.spec_config import SpeculativeConfig
+
+    save_drafter(drafter(), str(tmp_path / "small-dspark"))
+    spec = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 2})
+    lm = shared_lm()
+    for target in (str(tmp_path / "small"), str(tmp_path / "small") + "/"):
+        assert _load_drafter(spec, target, lm).config == drafter().config
+    shipped = {"small-dspark": str(tmp_path / "small-dspark")}
+    monkeypatch.setattr(kimi_jax.api, "shipped_checkpoint", shipped.get)
+    assert _load_drafter(spec, "small", lm).config == drafter().config
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        _load_drafter(spec, "other", lm)
+
+
 @pytest.mark.parametrize("greedy_drafts", [False, True])
 def test_greedy_outputs_equal_the_reference(reference, greedy_drafts):
     """Sampled drafts with block verification; greedy drafts with token-level verification and the confidence

@@ -1,0 +1,126 @@
+"""`python -m serve.bench.spec` at toy size on the CPU: every case (a random DSpark drafter, n-gram on a
+repetition workload, a draft model with the target's weights) on a 2-layer hybrid model, one repeat, a batch of
+two: rows with both arms' figures, the greedy check (and a corrupted output that makes it fail with exit status
+1), pools free, nothing compiled while running, the JSON rewritten per row, skipped cases and the deadline."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from kimi_jax.drafter import DSparkConfig, DSparkDrafter
+from kimi_jax.model import KimiModel
+from kimi_jax.tokenizer import load_tokenizer
+from serve.bench import spec as bench
+from tests.serve.test_engine_runner import SMALL
+
+TOY = SMALL.replace(num_layers=2, layer_types=("kda", "mla"), mlp_types=("dense", "dense"))
+ARGV = ["--batches", "2", "--repeats", "1", "--prompt-len", "12", "--new-tokens", "6", "--span", "3",
+        "--prefill-chunk", "32", "--memory-gib", "0.01"]
+_models: dict = {}
+_runners: dict = {}
+
+
+def toy_model() -> KimiModel:
+    if "model" not in _models:
+        _models["model"] = KimiModel(TOY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        _models["drafter"] = DSparkDrafter(DSparkConfig(target_layer_ids=(0, 1), num_layers=1, block_size=3,
+                                                        markov_rank=2), TOY, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    return _models["model"]
+
+
+def toy_dspark(args):
+    model = toy_model()
+    prompts = bench.code_prompts(load_tokenizer("tiny"), max(args.batches), args.prompt_len)
+    return model, {"method": "dspark", "model": "toy", "num_speculative_tokens": 2}, _models["drafter"], prompts
+
+
+def toy_ngram(args):
+    model = toy_model()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return model, spec, None, bench.repetition_prompts(TOY.vocab_size, max(args.batches), args.prompt_len, args.span)
+
+
+def toy_draft_model(args):
+    model = toy_model()
+    graphdef, state = nnx.split(model)
+    twin = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    prompts = bench.code_prompts(load_tokenizer("tiny"), max(args.batches), args.prompt_len)
+    return model, {"method": "draft_model", "model": "twin", "num_speculative_tokens": 2}, twin, prompts
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """The toy setups, with runners reused across this module's runs (one compile per arm and case)."""
+    build = bench.build_runner
+
+    def cached(model, args, spec, drafter, max_len):
+        key = json.dumps(spec, sort_keys=True)
+        if key not in _runners:
+            _runners[key] = build(model, args, spec, drafter, max_len)
+        return _runners[key]
+
+    monkeypatch.setattr(bench, "build_runner", cached)
+    monkeypatch.setitem(bench.SETUPS, "dspark", toy_dspark)
+    monkeypatch.setitem(bench.SETUPS, "ngram", toy_ngram)
+    monkeypatch.setitem(bench.SETUPS, "draft_model", toy_draft_model)
+
+
+def test_every_case_reports_both_arms_with_identical_greedy_outputs(toy, tmp_path):
+    assert bench.main([*ARGV, "--cases", "dspark", "ngram", "draft_model", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert [c["case"] for c in doc["cases"]] == ["dspark", "ngram", "draft_model"] and not doc["stopped_by_deadline"]
+    for case in doc["cases"]:
+        assert [r["batch"] for r in case["rows"]] == [2] and case["compiles_while_running"] == 0
+        k = case["spec_config"]["num_speculative_tokens"]
+        for row in case["rows"]:
+            assert row["greedy_mismatches"] == 0 and row["pools_free"]
+            assert row["plain_per_user_tokens_per_s"]["median"] > 0 and row["spec_per_user_tokens_per_s"]["runs"]
+            assert row["speedup"] == pytest.approx(row["spec_per_user_tokens_per_s"]["median"]
+                                                   / row["plain_per_user_tokens_per_s"]["median"])
+            per_pos = row["acceptance_rate_per_position"]
+            assert len(per_pos) == k and row["mean_acceptance_length"] == pytest.approx(1 + sum(per_pos))
+    dspark, twin = doc["cases"][0]["rows"], doc["cases"][2]["rows"]
+    assert all(r["draft_rows"] > 0 and r["verification_steps"] > 0 for r in dspark)  # the drafter always drafts
+    assert all(r["mean_acceptance_length"] > 2.0 for r in twin)  # the target's own drafts: nearly all accepted
+
+
+def test_a_differing_greedy_output_fails_the_dspark_case(toy, tmp_path, monkeypatch):
+    run = bench.run_batch
+
+    def corrupted(arm, prompts, new_tokens, tag):
+        result = run(arm, prompts, new_tokens, tag)
+        if arm.spec is not None:
+            result["outputs"][0][2] += 1
+        return result
+
+    monkeypatch.setattr(bench, "run_batch", corrupted)
+    assert bench.main([*ARGV, "--cases", "dspark", "--out", str(tmp_path)]) == 1
+    row = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]["rows"][0]
+    assert row["greedy_mismatches"] == 1 and row["mismatch_examples"][0]["position"] == 2
+
+
+def test_cases_without_a_drafter_are_skipped(tmp_path):
+    assert bench.main([*ARGV, "--cases", "draft_model", "--out", str(tmp_path)]) == 0
+    case = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]
+    assert case["rows"] == [] and "--draft-model" in case["skipped"]
+
+
+def test_deadline_and_bad_arguments(tmp_path):
+    assert bench.main([*ARGV, "--deadline-s", "0", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "bench_spec.json").read_text())
+    assert doc["stopped_by_deadline"] and doc["cases"] == []
+    for bad in (["--span", "6"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args([*ARGV, *bad])
+
+
+def test_workloads():
+    prompts = bench.repetition_prompts(100, 3, 12, 3)
+    assert all(len(p) == 12 and p[1:4] == p[4:7] == p[7:10] for p in prompts) and len({p[0] for p in prompts}) == 3
+    code = bench.code_prompts(load_tokenizer("tiny"), 3, 20)
+    assert len(code) == 3 and all(len(p) == 20 for p in code) and code[0] != code[1]
