@@ -38,6 +38,7 @@ def test_chat_eval_serves_the_folder_and_updates_its_report(trained):
     found = chat_eval.run(out, limit=1, concurrency=4, extra=["--max-model-len=2048"])
     f = found["figures"]
     assert f["tool_calls_parsed"]["of"] == 2 and f["ask_exact"]["of"] == 1 and f["chat_empty"]["of"] >= 4
+    assert len(found["empty"]) == f["chat_empty"]["count"]  # each empty answer is listed for a look at why
     from kimi_jax.training.report import update_report
 
     with open(os.path.join(out, "TRAINING.md"), "a") as fh:  # what train_vision appends

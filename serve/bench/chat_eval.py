@@ -171,12 +171,25 @@ def score(results: dict[str, list[dict]]) -> dict:
     greetings_with_tools = [r for r in results["greeting"] if r["conv"].tools]
     figures["greeting_with_tools_called"] = _share(sum(bool(r["first"]["message"].get("tool_calls"))
                                                        for r in greetings_with_tools), len(greetings_with_tools))
-    chat = [r["first"] for kind in ("ask", "write", "follow_up", "greeting") for r in results[kind]]
-    chat += [r["second"] for rs in results.values() for r in rs if r["second"] is not None]
-    figures["chat_empty"] = _share(sum(is_empty(c["message"]) for c in chat if not c["message"].get("tool_calls")),
+    chat = chat_replies(results)
+    figures["chat_empty"] = _share(sum(is_empty(c["message"]) for _, c in chat if not c["message"].get("tool_calls")),
                                    len(chat))
-    figures["chat_cut_by_max_tokens"] = _share(sum(c["finish_reason"] == "length" for c in chat), len(chat))
+    figures["chat_cut_by_max_tokens"] = _share(sum(c["finish_reason"] == "length" for _, c in chat), len(chat))
     return figures
+
+
+def chat_replies(results: dict) -> list[tuple[str, dict]]:
+    """(kind, reply) of every chat answer scored for emptiness: the first replies of the conversations without a
+    tool turn, and every second reply."""
+    chat = [(kind, r["first"]) for kind in ("ask", "write", "follow_up", "greeting") for r in results[kind]]
+    return chat + [(kind, r["second"]) for kind, rs in results.items() for r in rs if r["second"] is not None]
+
+
+def empty_answers(results: dict) -> list[dict]:
+    """The empty answers, for a look at why: kind, finish reason and the start of the reasoning."""
+    return [{"kind": kind, "finish_reason": c["finish_reason"],
+             "reasoning": (c["message"].get("reasoning_content") or "")[:200]}
+            for kind, c in chat_replies(results) if is_empty(c["message"]) and not c["message"].get("tool_calls")]
 
 
 ROWS = (("held-out tool prompts parsed into `tool_calls` (auto tool choice)", "tool_calls_parsed"),
@@ -252,7 +265,7 @@ async def evaluate(url: str, model: str, *, limit: int | None, concurrency: int,
             results[kind], i = runs[i:i + len(cs)], i + len(cs)
         figures = score(results)
         samples = await showcase(chat, train, heldout, entries)
-    return {"figures": figures, "rows": report_rows(figures), "samples": samples}
+    return {"figures": figures, "rows": report_rows(figures), "samples": samples, "empty": empty_answers(results)}
 
 
 def serve_args(checkpoint: str, extra: list[str]) -> argparse.Namespace:

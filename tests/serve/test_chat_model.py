@@ -53,8 +53,6 @@ def test_chat_and_streaming_chat_answer(client):
     assert streamed == r.choices[0].message.content
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped tiny (103 chat steps) answers this prompt in text instead of "
-                   "calling lookup_doc; a longer train_chat run is expected to fix it, and then this mark must go")
 def test_tool_call_result_answer(client):
     msgs = [{"role": "user", "content": "Look up `functools.partial`."}]
     r = client.chat.completions.create(model="tiny", messages=msgs, tools=[LOOKUP_DOC], max_tokens=200,
