@@ -5,7 +5,9 @@ digits, fine-tuning the language model with it, and write a vision-language chec
 
 Data (``shapes.py``): scenes of 1-3 coloured squares / circles / triangles, or one digit, with one-word questions
 ("What colour is the square?" -> "red"), rendered as the server renders chat requests, thinking on or off. The
-language model is trained too (a frozen code model cannot learn to answer). The result (MXFP4 experts as in the
+language model is trained too (a frozen code model cannot learn to answer), with a share of each batch rehearsing
+text-only chat conversations (trained on scenes alone, the chat-tuned model answered every text prompt with a
+colour or shape word). The result (MXFP4 experts as in the
 base, the tower in bf16 as ``vision.safetensors``, the base's tokenizer) is evaluated on held-out scenes (another
 seed) through the serving engine, greedy, with the server's default chat settings (thinking on); the accuracy per
 question kind lands in ``vision_training.json`` and a section of ``TRAINING.md``, beside a text check: the
@@ -35,7 +37,7 @@ from kimi_jax.tokenizer import load_tokenizer
 from kimi_jax.training import export
 from kimi_jax.training.shapes import TASKS
 from kimi_jax.training.trainer import Schedule
-from kimi_jax.training.vision_data import make_batch
+from kimi_jax.training.vision_data import make_batch, text_pool
 from kimi_jax.training.vision_eval import evaluate, text_check, text_replies
 from kimi_jax.training.vision_trainer import VisionTrainer
 from kimi_jax.vision.config import VisionConfig
@@ -56,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=64 if gpu else 4)
     ap.add_argument("--seq-len", type=int, default=192, help="tokens per row (the thinking-on prompt is ~170)")
     ap.add_argument("--thinking-share", type=float, default=0.75, help="rows rendered with thinking on")
+    ap.add_argument("--text-rows", type=int, default=None,
+                    help="rows per step rehearsing text-only chat conversations (train_chat's data of the train "
+                         "split), so the fine-tuned language model keeps chatting (default: a quarter of --batch)")
+    ap.add_argument("--text-seq-len", type=int, default=704, help="tokens per rehearsal row (conversations that fit)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the tower and projector")
     ap.add_argument("--lm-lr-scale", type=float, default=0.3, help="the language model's share of --lr")
     ap.add_argument("--warmup", type=int, default=40)
@@ -77,6 +83,18 @@ def steps_within(seconds_left: float, seconds_per_step: float, done: int, cap: i
     """Total steps that fit ``seconds_left`` after ``done`` steps, at most ``cap`` (the learning rate then decays
     to its floor by the end of the budget instead of being cut off at its peak)."""
     return max(done, min(cap, done + int(seconds_left / max(seconds_per_step, 1e-9))))
+
+
+def rehearsal_pool(tokenizer, length: int, seed: int) -> list:
+    """train_chat's conversations of the train-split standard-library names that fit a row of ``length``."""
+    from kimi_jax.training.stdlib_docs import stdlib_entries
+    from kimi_jax.training.transcripts import build_conversations
+
+    train, _ = stdlib_entries()
+    pool = text_pool(tokenizer, build_conversations(train, seed=seed), length)
+    if not pool:
+        raise ValueError(f"--text-seq-len {length}: no chat conversation fits a row; raise it or set --text-rows 0")
+    return pool
 
 
 def _prefetch(make, depth: int = 4):
@@ -119,7 +137,8 @@ def report(args, out: str, result: dict) -> None:
              f"{args.vision_heads} heads, patch 14, at most {args.max_patches} patches = "
              f"{args.max_patches // 4} tokens per image; {result['vision_parameters'] / 1e6:.2f}M parameters) and "
              f"projector trained with the language model by `{result['command']}`: {result['steps']} steps of "
-             f"{args.batch} drawn scenes ({result['train_seconds']:.0f} s on {result['device']}), final loss "
+             f"{args.batch} drawn scenes and {result['text_rows']} text-only chat conversations rehearsed ("
+             f"{result['train_seconds']:.0f} s on {result['device']}), final loss "
              f"{result['final_loss']:.3f} nats per answer token.\n\nHeld-out accuracy ({args.eval_per_task} new "
              f"scenes per question, greedy through the serving engine, the server's default chat settings: "
              f"thinking on), against always giving the most common answer:\n\n"
@@ -147,8 +166,11 @@ def main(argv=None) -> dict:
     vision = VisionModel(vcfg, dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
     trainer = VisionTrainer(lm, vision, compute_dtype=jnp.dtype(args.compute_dtype), lm_lr_scale=args.lm_lr_scale)
     rng = random.Random(args.seed)
+    text_rows = args.batch // 4 if args.text_rows is None else args.text_rows
+    text = rehearsal_pool(tokenizer, args.text_seq_len, args.seed) if text_rows else []
     batches = _prefetch(lambda: make_batch(rng, tokenizer, vcfg, lm.config.vocab_size, args.batch, args.seq_len,
-                                           thinking_share=args.thinking_share))
+                                           thinking_share=args.thinking_share, text_rows=text_rows,
+                                           text_length=args.text_seq_len, text=text))
     schedule = Schedule(args.lr, args.warmup, args.steps)
     losses, step, marks = [], 0, {}
     train_start = time.perf_counter()
@@ -176,7 +198,7 @@ def main(argv=None) -> dict:
     text = text_check(base_replies, text_replies(args.out))
     result = dict(command="python -m kimi_jax.training.train_vision " + shlex.join(sys.argv[1:] if argv is None
                                                                                    else argv),
-                  steps=step + 1, train_seconds=train_seconds, total_seconds=time.perf_counter() - start,
+                  steps=step + 1, text_rows=text_rows, train_seconds=train_seconds, total_seconds=time.perf_counter() - start,
                   final_loss=float(trainer.grad_fn(trainer.params, jax.tree.map(jnp.asarray, next(batches)))[0]),
                   losses=losses, accuracy=accuracy, chance=chance, examples=examples, text_check=text,
                   vision_parameters=int(sum(np.size(x) for x in jax.tree.leaves(nnx.state(vision_trained)))),

@@ -3,6 +3,9 @@ requests (``render_k3`` -> ``expand_media`` -> ``encode_chat``), so training and
 
 A row is the conversation [user: image + question, assistant: answer] with thinking on or off; the loss covers
 the assistant's turn after the generation prompt (its empty think channel, the response, the closing markers).
+Rehearsal rows (``text_pool``) are text-only chat conversations of the base's own training data with their
+assistant-token mask, in rows of their own length (tool conversations run to ~700 tokens, a scene row to ~190), so
+the fine-tuned language model keeps chatting.
 """
 
 from __future__ import annotations
@@ -43,21 +46,36 @@ def row_ids(tokenizer: Tokenizer, example: Example, image: PreparedImage, thinki
     return ids, len(prompt)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "targets", "mask", "images"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["tokens", "targets", "mask", "images", "text_tokens",
+                                                        "text_targets", "text_mask"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class VisionBatch:
     """tokens [B, T] int32 (placeholders as ``vocab + j``, j the image token), targets [B, T], mask [B, T] f32
-    (1 on assistant-turn targets), images (ImageBatch of B images, L = max_patches)."""
+    (1 on assistant-turn targets), images (ImageBatch of B images, L = max_patches); the rehearsal rows
+    text_tokens / text_targets / text_mask [Bt, Tt] (Bt may be 0)."""
 
     tokens: np.ndarray
     targets: np.ndarray
     mask: np.ndarray
     images: ImageBatch
+    text_tokens: np.ndarray
+    text_targets: np.ndarray
+    text_mask: np.ndarray
+
+
+def text_pool(tokenizer: Tokenizer, conversations, length: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids [N], learned mask [N]) of the conversations that fit a row of ``length`` tokens (N <= length + 1)."""
+    from kimi_jax.training.chat_batches import ConversationEncoder
+
+    encode = ConversationEncoder(tokenizer)
+    return [(ids, learned) for ids, learned in map(encode, conversations) if len(ids) <= length + 1]
 
 
 def make_batch(rng: random.Random, tokenizer: Tokenizer, cfg: VisionConfig, vocab: int, batch: int, length: int,
-               *, thinking_share: float = 0.75) -> VisionBatch:
-    """``batch`` fresh examples padded / cut to ``length`` tokens."""
+               *, thinking_share: float = 0.75, text_rows: int = 0, text_length: int = 0,
+               text: list[tuple[np.ndarray, np.ndarray]] = ()) -> VisionBatch:
+    """``batch`` fresh scene rows padded / cut to ``length`` tokens, and ``text_rows`` conversations drawn from
+    ``text`` (a :func:`text_pool` of ``text_length``)."""
     pad_id = tokenizer.special_tokens[MEDIA_PAD]
     tokens = np.zeros((batch, length + 1), np.int32)
     mask = np.zeros((batch, length), np.float32)
@@ -72,5 +90,12 @@ def make_batch(rng: random.Random, tokenizer: Tokenizer, cfg: VisionConfig, voca
         tokens[b, :len(ids)] = ids
         mask[b, start - 1:len(ids) - 1] = 1.0
         images.append(image)
+    text_tokens = np.zeros((text_rows, text_length + 1), np.int32)
+    text_mask = np.zeros((text_rows, text_length), np.float32)
+    for b in range(text_rows):
+        ids, learned = text[rng.randrange(len(text))]
+        text_tokens[b, :len(ids)] = ids
+        text_mask[b, :len(ids) - 1] = learned[1:]
     return VisionBatch(tokens[:, :-1], np.where(tokens[:, 1:] >= vocab, 0, tokens[:, 1:]), mask,
-                       pack_images(images, batch, cfg.max_patches, cfg))
+                       pack_images(images, batch, cfg.max_patches, cfg), text_tokens[:, :-1], text_tokens[:, 1:],
+                       text_mask)

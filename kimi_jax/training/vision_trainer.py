@@ -51,15 +51,21 @@ class VisionTrainer:
             if lm_dtypes is not None:
                 lm_p = cast_params(lm_p, lm_dtypes)
                 vision_p = jax.tree.map(lambda x: x.astype(compute_dtype), vision_p)
-            media = encode_images(nnx.merge(vgraph, vision_p), batch.images)  # [B, L/4, D]
             experts, rest = lm_p
-            b = batch.tokens.shape[0]
-            copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), experts)
-            logits = jax.vmap(lambda e, row, m: _row_logits(graphdef, cfg, (e, rest), row, m))(
-                copies, batch.tokens, media)
-            picked = jnp.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0]
-            nll = jax.nn.logsumexp(logits, axis=-1) - picked
-            return jnp.sum(nll * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+            def nll_sum(tokens, targets, mask, media):  # rows [B, T] with media [B, R, D] -> summed masked nll
+                copies = jax.tree.map(lambda x: jnp.broadcast_to(x, tokens.shape[:1] + x.shape), experts)
+                logits = jax.vmap(lambda e, row, m: _row_logits(graphdef, cfg, (e, rest), row, m))(
+                    copies, tokens, media)
+                picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+                return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * mask)
+
+            media = encode_images(nnx.merge(vgraph, vision_p), batch.images)  # [B, L/4, D]
+            total = nll_sum(batch.tokens, batch.targets, batch.mask, media)
+            if batch.text_tokens.shape[0]:  # rehearsal rows: no image, so a one-row media pool nobody reads
+                blank = jnp.zeros((batch.text_tokens.shape[0], 1, media.shape[-1]), media.dtype)
+                total += nll_sum(batch.text_tokens, batch.text_targets, batch.text_mask, blank)
+            return total / jnp.maximum(jnp.sum(batch.mask) + jnp.sum(batch.text_mask), 1.0)
 
         self.grad_fn = jax.jit(jax.value_and_grad(loss))
         lm_mask = decay_mask(self.params[0])
