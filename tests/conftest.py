@@ -17,9 +17,11 @@ def rng(request):
 
 
 def pytest_configure(config):
-    """Persistent XLA compilation cache: the suite compiles dozens of small programs; reruns reuse them."""
-    import jax
+    """The opt-in persistent XLA compilation cache (tests/jit_cache.py says why it is off by default)."""
+    from tests import jit_cache
 
-    cache_dir = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if jit_cache.FOLDER:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", jit_cache.FOLDER)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

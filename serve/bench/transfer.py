@@ -16,7 +16,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kimi_jax.presets import PRESETS
