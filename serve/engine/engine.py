@@ -225,6 +225,9 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate with "
                              f"max_model_len={self.max_model_len}")
+        bad = [t for t in params.thinking_end_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.thinking_end_token_ids out of range [0, {vocab}): {bad[:5]}")
         if params.logprobs is not None and params.logprobs > self.runner.config.max_logprobs:
             raise ValueError(f"SamplingParams.logprobs {params.logprobs} exceeds the engine's max_logprobs="
                              f"{self.runner.config.max_logprobs}")

@@ -80,6 +80,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.draft_token_ids: list[int] = []  # proposals for the next step (speculative decoding)
+        self.think_tokens_left: int | None = sampling_params.thinking_token_budget  # None: no thinking budget
 
     # ---- read-only views ----
     @property
@@ -137,6 +138,31 @@ class Request:
         max_tokens = self.sampling_params.max_tokens
         return ((max_tokens is not None and self.num_output_tokens + 1 >= max_tokens)
                 or self.num_tokens + 1 >= max_model_len)
+
+    def close_thinking_if_due(self, max_model_len: int) -> bool:
+        """After a sampled token was appended (and did not stop the request): count it against the thinking
+        budget; once the budget is spent, append ``thinking_end_token_ids`` (as many as ``max_tokens`` and
+        ``max_model_len`` leave room for) with logprob 0. True if tokens were appended: they are not computed
+        yet, so the next step feeds them as a chunk and any drafts made before them are void."""
+        if self.think_tokens_left is None:
+            return False
+        params = self.sampling_params
+        end = params.thinking_end_token_ids
+        if self.output_token_ids[-1] == end[0]:  # the model closed the section itself
+            self.think_tokens_left = None
+            return False
+        self.think_tokens_left -= 1
+        if self.think_tokens_left > 0:
+            return False
+        self.think_tokens_left = None
+        room = max_model_len - self.num_tokens
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - self.num_output_tokens)
+        forced = end[:max(room, 0)]
+        for token in forced:
+            self.append_output_token(token, {token: 0.0})
+        self.draft_token_ids = []
+        return bool(forced)
 
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set a finished status if a stop condition holds; True if it stopped.

@@ -37,6 +37,10 @@ class SamplingParams:
     ``seed`` None draws a random seed when the request is created. ``stop`` may be given as one string.
     ``speculative`` False keeps the request out of speculative decoding (its outputs are the same either way: only
     its speed changes); requests with a grammar constraint, penalties or logprobs are never speculated.
+    ``thinking_token_budget`` (the prompt ends inside a thinking section): once that many output tokens passed
+    without ``thinking_end_token_ids[0]`` (the model closing the section itself), the engine appends
+    ``thinking_end_token_ids`` as if they had been sampled (logprob 0), so a model that would think until
+    ``max_tokens`` still answers. None: no budget.
     """
 
     n: int = 1
@@ -57,6 +61,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     constraint_factory: Callable[[], TokenConstraint] | None = None
     speculative: bool = True
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +116,14 @@ class SamplingParams:
         _require(self.constraint_factory is None or callable(self.constraint_factory), "constraint_factory",
                  "must be None or a callable returning a TokenConstraint")
         _require(isinstance(self.speculative, bool), "speculative", f"must be a bool, got {self.speculative!r}")
+        _require(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
+                                                         and self.thinking_token_budget >= 1),
+                 "thinking_token_budget", f"must be None or an integer >= 1, got {self.thinking_token_budget!r}")
+        _require(isinstance(self.thinking_end_token_ids, list)
+                 and all(_is_int(t) and t >= 0 for t in self.thinking_end_token_ids), "thinking_end_token_ids",
+                 f"must be a list of integers >= 0, got {self.thinking_end_token_ids!r}")
+        _require(self.thinking_token_budget is None or bool(self.thinking_end_token_ids), "thinking_end_token_ids",
+                 "must name the tokens that close a thinking section when thinking_token_budget is set")
         return self
 
 

@@ -283,7 +283,7 @@ class Scheduler:
         """With exactly one step in flight: the next decode step of every running request, fed with the tokens
         that step samples on the device. None (call ``schedule()`` after ``update_from_output()``) unless every
         running request is sampled by the step in flight, none has penalties or a grammar constraint (their
-        host state needs the token), nothing waits, no checkpoint falls on the new position and the pages fit.
+        host state needs the token) or spends its thinking budget with that token, nothing waits, no checkpoint falls on the new position and the pages fit.
         Requests whose in-flight token is certainly their last (max_tokens, max_model_len) are left out."""
         if len(self._in_flight) != 1 or self.waiting or self._speculating():
             return None
@@ -292,6 +292,8 @@ class Scheduler:
         for request in self.running:
             row = rows.get(request.request_id)
             if row is None or request.constraint is not None or request.sampling_params.uses_penalties:
+                return None
+            if request.think_tokens_left == 1:  # its in-flight token spends the thinking budget: tokens follow
                 return None
             if request.next_token_is_last(self.config.max_model_len):  # its in-flight token ends it
                 continue
@@ -359,12 +361,12 @@ class Scheduler:
                 self.num_prompt_tokens += request.num_prompt_tokens
             request.append_output_token(token, self._logprob_entry(request, sampled, row, token))
             self.num_generation_tokens += 1
-            if request.check_stop(self.config.max_model_len):
+            if self._stops(request):
                 if request.request_id in queued:
                     self._drain(request)
                 else:
                     self._retire(request, retain_state=True)
-            elif spec is not None and self.speculative.on_device:
+            elif spec is not None and self.speculative.on_device and request.num_tokens == request.num_computed_tokens + 1:
                 request.draft_token_ids = np.asarray(spec.drafts[row, :int(spec.num_drafts[row])]).tolist()
             changed.append(request)
         self.cache.release_step_pins()
@@ -557,12 +559,17 @@ class Scheduler:
         if request.num_output_tokens == 0:
             self.num_prompt_tokens += request.num_prompt_tokens
         appended, stopped = 0, False
+        forced = False
         for token in emitted:
             request.append_output_token(token)
             appended += 1
             self.num_generation_tokens += 1
-            if request.check_stop(self.config.max_model_len):
+            before = request.num_tokens
+            if self._stops(request):
                 stopped = True
+                break
+            if request.num_tokens > before:  # the thinking budget ran out: its closing tokens follow
+                forced = True
                 break
         kept = appended  # fed tokens whose state stays: the last token and the accepted drafts before the end
         old_live = request.state_slot
@@ -579,11 +586,17 @@ class Scheduler:
         request.draft_token_ids = []
         if stopped:
             self._retire(request, retain_state=True)
-        elif sampled.spec is not None and self.speculative.on_device:
+        elif sampled.spec is not None and self.speculative.on_device and not forced:
             request.draft_token_ids = np.asarray(sampled.spec.drafts[row, :int(sampled.spec.num_drafts[row])]).tolist()
         return True
 
     # ---- internals ----
+    def _stops(self, request: Request) -> bool:
+        """After a sampled token was appended: apply the stop conditions, else the thinking budget (whose
+        closing tokens may in turn reach a length limit). True if the request finished."""
+        limit = self.config.max_model_len
+        return request.check_stop(limit) or (request.close_thinking_if_due(limit) and request.check_stop(limit))
+
     def _admit(self, budget: int, scheduled: list[tuple[Request, int, list[int]]]) -> int:
         """Admit waiting requests FCFS while budget, max_num_seqs and memory allow; returns the budget left."""
         skipped: list[Request] = []

@@ -6,14 +6,19 @@ set and `content` carries all the text the model wrote, its thinking included; w
 is split off into `reasoning_content` and text arrives as `content` whenever the model is outside a thinking
 section (it never opened one, e.g. thinking off, or has closed it). kimi_jax.chat.parsed implements the rule.
 
+Thinking budget (K3 format, the prompt ends inside the think channel): a turn may think for at most
+`thinking_token_budget` tokens (vLLM's request field), by default half of max_tokens (`THINK_SHARE`), so a model
+that would think until max_tokens still answers instead of returning an empty `content`. An unconstrained turn
+whose budget runs out gets the think channel closed by the engine (`SamplingParams.thinking_token_budget`);
+0 closes it in the prompt. The K2 format opens `<think>` from the model's side, so it takes no budget.
+
 Constrained requests (`response_format` json_object / json_schema, `tool_choice` "required" or a named
 function) are constrained over the whole assistant turn (serve.openai.grammars), so the parsed reply always
 holds the JSON value or the call(s), whatever the model, unless max_tokens runs out first (`finish_reason`
 "length", and the text is a prefix of a valid turn). The think channel of such a turn is bounded:
 * without a reasoning parser it is closed at once (empty), since its text would otherwise land in `content`
   ahead of the JSON;
-* with one it may hold at most half of max_tokens (`CONSTRAINED_THINK_SHARE`), then it is closed and the
-  constrained part begins, so a model that would think forever still answers.
+* with one it holds at most the thinking budget above, then it is closed and the constrained part begins.
 """
 
 from __future__ import annotations
@@ -47,12 +52,16 @@ from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, Deadline, S
                                     check_admission, generate_or_abort, sse_error_event, sse_event)
 
 
-CONSTRAINED_THINK_SHARE = 0.5  # of max_tokens, the most a constrained turn may think (with a reasoning parser)
+THINK_SHARE = 0.5  # of max_tokens: the default thinking budget of a turn
+K3_THINK_END = "<|close|>think<|sep|><|open|>response<|sep|>"  # what closes the think channel of a K3 turn
 
 
-def constrained_think_tokens(max_tokens: int, split_reasoning: bool) -> int:
-    """Think-channel budget of a constrained turn (module docstring): 0 without a reasoning parser."""
-    return int(max_tokens * CONSTRAINED_THINK_SHARE) if split_reasoning else 0
+def think_budget(request: ChatCompletionRequest, max_tokens: int) -> int:
+    """The turn's thinking budget in tokens: the request's `thinking_token_budget`, else THINK_SHARE of
+    max_tokens (module docstring)."""
+    if request.thinking_token_budget is not None:
+        return request.thinking_token_budget
+    return int(max_tokens * THINK_SHARE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +115,8 @@ class ChatHandler:
         self._tokenizer = engine.tokenizer
         self._mask_vocab_size = mask_vocab_size(engine)
         self._grammars = (K3Grammars if config.chat_format == "k3" else K2Grammars)(engine.tokenizer)
+        self._think_end = (self._tokenizer.encode(K3_THINK_END, allow_special=True)
+                           if config.chat_format == "k3" else [])
 
     # ------------------------------------------------------------ request -> prompt, params
 
@@ -145,7 +156,7 @@ class ChatHandler:
                                                             plan.media))
 
     def _constraint(self, request: ChatCompletionRequest, plan: _Plan, max_tokens: int) -> ConstraintFactory | None:
-        think_tokens = constrained_think_tokens(max_tokens, self._config.split_reasoning)
+        think_tokens = think_budget(request, max_tokens) if self._config.split_reasoning else 0
         forces_tools = plan.tool_choice == "required" or isinstance(plan.tool_choice, dict)
         has_format = request.response_format is not None and request.response_format.type != "text"
         if forces_tools and has_format:
@@ -182,15 +193,25 @@ class ChatHandler:
         # decoding images is CPU work: off the event loop
         plan = await asyncio.to_thread(self._plan, request) if has_images(request) else self._plan(request)
         plan = self._placed(plan)
+        if request.thinking_token_budget is not None and self._config.chat_format != "k3":
+            raise bad_request("thinking_token_budget needs the kimi_k3 chat format (a K2 model opens its own "
+                              "<think> section).", param="thinking_token_budget")
+        if request.thinking_token_budget == 0 and plan.thinking:  # no thinking: the prompt closes the channel
+            plan = dataclasses.replace(plan, prompt_ids=plan.prompt_ids + self._think_end, thinking=False)
+            check_prompt_length(len(plan.prompt_ids), self._engine.max_model_len, param="messages")
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(getattr(request, param), len(plan.prompt_ids), self._engine.max_model_len,
                                         param=param)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         constraint = self._constraint(request, plan, max_tokens)
         plan = dataclasses.replace(plan, constrained=constraint is not None)
+        budget = think_budget(request, max_tokens)
+        closes_thinking = constraint is None and plan.thinking and 1 <= budget < max_tokens
         params = build_sampling_params(request, max_tokens=max_tokens, logprobs=top_k,
                                        vocab_size=self._tokenizer.vocab_size, skip_special_tokens=False,
-                                       constraint_factory=constraint)
+                                       constraint_factory=constraint,
+                                       thinking_token_budget=budget if closes_thinking else None,
+                                       thinking_end_token_ids=self._think_end if closes_thinking else None)
         request_id = new_id("chatcmpl")
         check_admission(self._engine, len(plan.prompt_ids), request.n)
         deadline = Deadline.of(request.timeout, self._config.request_timeout_s)

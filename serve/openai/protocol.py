@@ -154,6 +154,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["low", "high", "max"] | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
 
 

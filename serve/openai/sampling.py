@@ -33,7 +33,9 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 def build_sampling_params(request: SamplingFields, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                           skip_special_tokens: bool,
-                          constraint_factory: Callable[[], object] | None = None) -> SamplingParams:
+                          constraint_factory: Callable[[], object] | None = None,
+                          thinking_token_budget: int | None = None,
+                          thinking_end_token_ids: list[int] | None = None) -> SamplingParams:
     """Map the shared request fields onto `SamplingParams` (OpenAI defaults where a field is absent).
 
     Raises:
@@ -65,6 +67,8 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int, logprobs:
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
         constraint_factory=constraint_factory,
+        thinking_token_budget=thinking_token_budget,
+        thinking_end_token_ids=list(thinking_end_token_ids or []),
     )
     try:
         params.validate()

@@ -65,3 +65,15 @@ def test_tool_call_result_answer(client):
     final = client.chat.completions.create(model="tiny", messages=msgs, tools=[LOOKUP_DOC], max_tokens=200,
                                            temperature=0)
     assert final.choices[0].message.content.strip() and not final.choices[0].message.tool_calls
+
+
+def test_thinking_budget_cuts_the_thought_and_the_model_answers(client):
+    """Greedy: the budgeted thought is a prefix of the unbounded one, and an answer follows it."""
+    msgs = [{"role": "user", "content": "What does `os.path.join` do?"}]
+    free = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=200, temperature=0)
+    cut = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=200, temperature=0,
+                                         extra_body={"thinking_token_budget": 4})
+    thought = cut.choices[0].message.reasoning_content
+    assert thought and len(thought) < len(free.choices[0].message.reasoning_content)
+    assert free.choices[0].message.reasoning_content.startswith(thought)
+    assert cut.choices[0].message.content.strip()

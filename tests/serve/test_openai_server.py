@@ -278,6 +278,32 @@ def test_json_schema_output_validates(client, engine):
     assert params_of(engine, response.id).constraint_factory is not None
 
 
+def test_thinking_budget_reaches_the_engine(client, engine, tokenizer):
+    """Default: half of max_tokens; the request's thinking_token_budget overrides it; a budget that max_tokens
+    cannot reach, or a constrained turn (its grammar bounds the think channel), sends none; 0 closes the
+    channel in the prompt."""
+    from serve.openai.chat import K3_THINK_END
+
+    end = tokenizer.encode(K3_THINK_END, allow_special=True)
+    msgs = [{"role": "user", "content": "Think briefly."}]
+
+    def sent(**kw):
+        response = client.chat.completions.create(model=MODEL, messages=msgs, **kw)
+        prompt, params = engine.received[response.id][:2]
+        return prompt, params.thinking_token_budget, params.thinking_end_token_ids
+
+    _, budget, ids = sent(max_tokens=40)
+    assert (budget, ids) == (20, end)
+    assert sent(max_tokens=40, extra_body={"thinking_token_budget": 7})[1] == 7
+    assert sent(max_tokens=40, extra_body={"thinking_token_budget": 40})[1:] == (None, [])
+    assert sent(max_tokens=40, response_format={"type": "json_object"})[1] is None
+    prompt, budget, _ = sent(max_tokens=40, extra_body={"thinking_token_budget": 0})
+    assert budget is None and prompt[-len(end):] == end
+    assert tokenizer.decode(prompt).endswith("<|open|>think<|sep|>" + K3_THINK_END)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=msgs, extra_body={"thinking_token_budget": -1})
+
+
 def test_required_tool_choice_forces_a_valid_call(client, engine):
     engine.reply = lambda *_: k3_reply("No tool needed.", "It is probably sunny.")
     response = client.chat.completions.create(
@@ -437,6 +463,9 @@ def test_k2_chat_format():
             response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {
                 "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
         assert isinstance(json.loads(response.choices[0].message.content)["city"], str)
+        with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           extra_body={"thinking_token_budget": 8})
 
 
 def test_engine_failure_is_reported_and_the_server_keeps_serving(server, client, engine):
