@@ -163,26 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gpu_expected() -> bool:
-    """Whether JAX will run on a GPU, decided without starting a backend (``jax.distributed.initialize`` must
-    come first in a multi-host run): ``JAX_PLATFORMS`` when set, else whether a CUDA plugin is installed."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return "cuda" in platforms or "gpu" in platforms
-    import importlib.metadata
-
-    return any((d.metadata["Name"] or "").startswith("jax-cuda") for d in importlib.metadata.distributions())
-
-
 def _enable_compile_cache() -> None:
     """Persist XLA executables across runs (a restart skips the warm-up compiles).
 
-    ``KIMI_JAX_COMPILE_CACHE``: the cache folder; empty or "off" disables. Unset, GPU runs cache in
-    ``~/.cache/kimi_jax/jit`` and CPU runs do not: XLA:CPU (jaxlib 0.11.2) can abort the process while serialising
-    a large executable for the cache, and the small CPU model compiles in seconds anyway."""
-    folder = os.environ.get("KIMI_JAX_COMPILE_CACHE")
-    if folder is None and _gpu_expected():
-        folder = os.path.expanduser("~/.cache/kimi_jax/jit")
+    ``KIMI_JAX_COMPILE_CACHE``: the cache folder (default ``~/.cache/kimi_jax/jit``); empty or "off" disables."""
+    folder = os.environ.get("KIMI_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
     if folder and folder != "off":
         import jax
 

@@ -17,11 +17,35 @@ def rng(request):
 
 
 def pytest_configure(config):
-    """The opt-in persistent XLA compilation cache (tests/jit_cache.py says why it is off by default)."""
-    from tests import jit_cache
+    """Persistent XLA compilation cache: the suite compiles dozens of small programs; reruns reuse them."""
+    import jax
 
-    if jit_cache.FOLDER:
+    cache_dir = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+MAX_WORKER_MAPS = 30_000  # of Linux's default vm.max_map_count of 65530
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bounded_jit_code():
+    """Drop JAX's compiled-function caches after a module once this process holds many memory mappings.
+
+    Every XLA:CPU executable keeps its JIT code in anonymous mappings (about three per kernel), so a test worker
+    that compiles for the whole suite approaches the kernel's vm.max_map_count; there mmap fails inside LLVM and
+    the worker dies with a segfault or an abort in whatever compiles or serialises next. Executables a test module
+    still holds (functools-cached runners) stay; only the jit caches' own references go."""
+    yield
+    try:
+        with open("/proc/self/maps") as f:
+            count = sum(1 for _ in f)
+    except OSError:  # not Linux
+        return
+    if count > MAX_WORKER_MAPS:
+        import gc
+
         import jax
 
-        jax.config.update("jax_compilation_cache_dir", jit_cache.FOLDER)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.clear_caches()
+        gc.collect()

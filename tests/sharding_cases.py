@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from kimi_jax.config import ModelConfig
-from tests import jit_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +58,10 @@ def write_checkpoint(cfg: ModelConfig, folder: Path, *, seed: int = 0, with_toke
 
 
 def subprocess_env(devices: int) -> dict[str, str]:
+    cache = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
     return {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **jit_cache.subprocess_env()}
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "KIMI_JAX_COMPILE_CACHE": cache}
 
 
 def run_script(script: str, *, devices: int = 8, timeout: int = 1200, args: tuple[str, ...] = ()) -> dict:

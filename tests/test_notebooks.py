@@ -15,8 +15,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests import jit_cache
-
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 KERNEL = "kimi-jax-test"
@@ -41,7 +39,9 @@ def kernel_env(tmp_path_factory):
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "kimi-jax test kernel", "language": "python"}))
-    env = {"JUPYTER_PATH": str(root), "JAX_PLATFORMS": "cpu", **jit_cache.subprocess_env()}
+    cache = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
+    env = {"JUPYTER_PATH": str(root), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield

@@ -24,7 +24,6 @@ from kimi_jax.model import KimiModel
 from kimi_jax.weights.loader import param_leaves
 from sharding import H200_HBM_BYTES, MeshShape, fit_spec, make_mesh, param_spec, param_specs, plan_memory
 from sharding.rules import TP, shard_factor
-from tests import jit_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSTACKED = {"embed", "lm_head", "norm", "attn_res.out_query", "attn_res.out_norm"}
@@ -177,7 +176,9 @@ def test_sharded_tiny_forward_equals_unsharded_on_8_fake_devices():
     layout: tests/test_sharding_layouts.py.)
     fp32 tolerance 1e-5 of the largest logit: only the summation order of split contractions differs
     (observed ~1e-6); a wrong placement or a dropped shard is an O(1) error."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", **jit_cache.subprocess_env()}
+    cache = os.environ.get("KIMI_JAX_TEST_JIT_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2", "JAX_COMPILATION_CACHE_DIR": cache,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
     run = subprocess.run([sys.executable, "-c", SHARDED_FORWARD], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,7 +1,6 @@
 """`kimi-jax serve` flags: vLLM spellings parse, the server settings derived from them, and the server they build."""
 
 import argparse
-import os
 import threading
 import time
 
@@ -89,24 +88,3 @@ def test_speculative_config_flag(capsys):
         with pytest.raises(SystemExit):
             parse("tiny", "--speculative-config", bad)
         assert named in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(("env", "platforms", "folder"), [
-    ({}, "cpu", None),  # CPU: no cache unless asked (XLA:CPU can abort while serialising for the cache)
-    ({}, "cuda", "~/.cache/kimi_jax/jit"),
-    ({"KIMI_JAX_COMPILE_CACHE": "/tmp/jit"}, "cpu", "/tmp/jit"),
-    ({"KIMI_JAX_COMPILE_CACHE": "off"}, "cuda", None),
-])
-def test_compile_cache_folder_follows_the_platform_and_the_variable(monkeypatch, env, platforms, folder):
-    import jax
-
-    from serve import cli
-
-    monkeypatch.delenv("KIMI_JAX_COMPILE_CACHE", raising=False)
-    for key, value in {**env, "JAX_PLATFORMS": platforms}.items():
-        monkeypatch.setenv(key, value)
-    updates = {}
-    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
-    cli._enable_compile_cache()
-    expected = folder and os.path.expanduser(folder)
-    assert updates.get("jax_compilation_cache_dir") == expected
