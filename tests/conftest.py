@@ -30,22 +30,32 @@ MAX_WORKER_MAPS = 30_000  # of Linux's default vm.max_map_count of 65530
 
 @pytest.fixture(scope="module", autouse=True)
 def bounded_jit_code():
-    """Drop JAX's compiled-function caches after a module once this process holds many memory mappings.
+    """Free compiled programs after a module once this process holds many memory mappings.
 
     Every XLA:CPU executable keeps its JIT code in anonymous mappings (about three per kernel), so a test worker
     that compiles for the whole suite approaches the kernel's vm.max_map_count; there mmap fails inside LLVM and
-    the worker dies with a segfault or an abort in whatever compiles or serialises next. Executables a test module
-    still holds (functools-cached runners) stay; only the jit caches' own references go."""
+    the worker dies with a segfault or an abort in whatever compiles or serialises next. Past MAX_WORKER_MAPS the
+    jit caches and the test modules' functools caches (shared models and runners, rebuilt on next use) let go."""
     yield
-    try:
-        with open("/proc/self/maps") as f:
-            count = sum(1 for _ in f)
-    except OSError:  # not Linux
-        return
-    if count > MAX_WORKER_MAPS:
+    if _num_mappings() > MAX_WORKER_MAPS:
+        import functools
         import gc
+        import sys
 
         import jax
 
+        for name, module in list(sys.modules.items()):
+            if name == "tests" or name.startswith("tests."):
+                for value in list(vars(module).values()):
+                    if isinstance(value, functools._lru_cache_wrapper):
+                        value.cache_clear()
         jax.clear_caches()
         gc.collect()
+
+
+def _num_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0

@@ -525,7 +525,8 @@ class ModelRunner:
 
         specs = fitted_cache_specs(jax.eval_shape(make), MeshShape.of(self.mesh).sizes())
         self.cache_shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
-        self._make_cache = jax.jit(make, out_shardings=self.cache_shardings)  # kept: recover() calls it again
+        # compiled ahead and kept: recover() calls it again, and must not compile even if JAX's jit caches are cleared
+        self._make_cache = jax.jit(make, out_shardings=self.cache_shardings).lower().compile()
         return self._make_cache()
 
     def recover(self) -> bool:

@@ -108,6 +108,7 @@ class _LoseDeviceState(FaultInjector):
 
 def test_lost_device_state_rebuilds_the_cache_and_keeps_serving(clean):
     engine = make_engine(max_num_seqs=2, max_num_batched_tokens=64)
+    jax.clear_caches()  # the rebuild uses only executables the runner holds, not JAX's jit caches
     injector = _LoseDeviceState(engine.runner, engine.runner.num_launches + 3)
     engine.runner.fault_injector = injector
     try:
