@@ -142,23 +142,31 @@ class Request:
     def close_thinking_if_due(self, max_model_len: int) -> bool:
         """After a sampled token was appended (and did not stop the request): count it against the thinking
         budget; once the budget is spent, append ``thinking_end_token_ids`` (as many as ``max_tokens`` and
-        ``max_model_len`` leave room for) with logprob 0. True if tokens were appended: they are not computed
-        yet, so the next step feeds them as a chunk and any drafts made before them are void."""
+        ``max_model_len`` leave room for) with logprob 0. When the sampled token opens the closer itself
+        (``thinking_end_token_ids[0]``), the budget is off and the rest of the closer
+        (``thinking_end_token_ids[1:thinking_close_len]``) is appended the same way, so the section always ends
+        well formed. True if tokens were appended: they are not computed yet, so the next step feeds them as a
+        chunk and any drafts made before them are void."""
         if self.think_tokens_left is None:
             return False
         params = self.sampling_params
         end = params.thinking_end_token_ids
-        if self.output_token_ids[-1] == end[0]:  # the model closed the section itself
+        if self.output_token_ids[-1] == end[0]:  # the model closes the section itself
             self.think_tokens_left = None
-            return False
+            rest = end[1:params.thinking_close_len]
+            return bool(rest) and self._append_forced(rest, max_model_len)
         self.think_tokens_left -= 1
         if self.think_tokens_left > 0:
             return False
         self.think_tokens_left = None
+        return self._append_forced(end, max_model_len)
+
+    def _append_forced(self, tokens: list[int], max_model_len: int) -> bool:
+        """Append ``tokens`` as if sampled (logprob 0), as many as the length limits leave room for."""
         room = max_model_len - self.num_tokens
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - self.num_output_tokens)
-        forced = end[:max(room, 0)]
+        if self.sampling_params.max_tokens is not None:
+            room = min(room, self.sampling_params.max_tokens - self.num_output_tokens)
+        forced = tokens[:max(room, 0)]
         for token in forced:
             self.append_output_token(token, {token: 0.0})
         self.draft_token_ids = []

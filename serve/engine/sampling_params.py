@@ -40,7 +40,11 @@ class SamplingParams:
     ``thinking_token_budget`` (the prompt ends inside a thinking section): once that many output tokens passed
     without ``thinking_end_token_ids[0]`` (the model closing the section itself), the engine appends
     ``thinking_end_token_ids`` as if they had been sampled (logprob 0), so a model that would think until
-    ``max_tokens`` still answers. None: no budget.
+    ``max_tokens`` still answers. None: no budget. ``thinking_close_len`` (with a budget): the first that many
+    of ``thinking_end_token_ids`` close the section (K3: ``<|close|>think<|sep|>``, before the response opener);
+    when the model samples the first of them itself, the engine appends the rest, so a section the model starts
+    to close always closes well formed (a small model may follow ``<|close|>`` with the wrong channel name and end
+    the turn with no answer). 0 appends nothing.
     """
 
     n: int = 1
@@ -63,6 +67,7 @@ class SamplingParams:
     speculative: bool = True
     thinking_token_budget: int | None = None
     thinking_end_token_ids: list[int] = dataclasses.field(default_factory=list)
+    thinking_close_len: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +129,9 @@ class SamplingParams:
                  f"must be a list of integers >= 0, got {self.thinking_end_token_ids!r}")
         _require(self.thinking_token_budget is None or bool(self.thinking_end_token_ids), "thinking_end_token_ids",
                  "must name the tokens that close a thinking section when thinking_token_budget is set")
+        _require(_is_int(self.thinking_close_len) and 0 <= self.thinking_close_len <= len(self.thinking_end_token_ids),
+                 "thinking_close_len", f"must be an integer in [0, len(thinking_end_token_ids)], got "
+                 f"{self.thinking_close_len!r}")
         return self
 
 

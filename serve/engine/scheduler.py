@@ -295,6 +295,8 @@ class Scheduler:
                 return None
             if request.think_tokens_left == 1:  # its in-flight token spends the thinking budget: tokens follow
                 return None
+            if request.num_tokens > request.num_computed_tokens + self._in_flight[0].sequences[row].num_tokens:
+                return None  # the engine appended tokens (the thinking closer) after those in flight: feed them first
             if request.next_token_is_last(self.config.max_model_len):  # its in-flight token ends it
                 continue
             position = request.num_tokens  # where the in-flight token goes
@@ -354,7 +356,9 @@ class Scheduler:
                 continue
             request.num_computed_tokens += seq.num_tokens
             self.cache.on_step_done(request, list(zip(seq.checkpoint_positions, seq.checkpoint_slots)))
-            if not seq.is_sampled:
+            if not seq.is_sampled or request.num_tokens > request.num_computed_tokens:
+                # (the second: a step launched ahead, after which the step before appended tokens of the engine's,
+                # the thinking closer: they take this sample's place and are fed next)
                 continue
             token = tokens[row]
             if request.num_output_tokens == 0:

@@ -10,7 +10,9 @@ Thinking budget (K3 format, the prompt ends inside the think channel): a turn ma
 `thinking_token_budget` tokens (vLLM's request field), by default half of max_tokens (`THINK_SHARE`), so a model
 that would think until max_tokens still answers instead of returning an empty `content`. An unconstrained turn
 whose budget runs out gets the think channel closed by the engine (`SamplingParams.thinking_token_budget`);
-0 closes it in the prompt. The K2 format opens `<think>` from the model's side, so it takes no budget.
+0 closes it in the prompt. A `<|close|>` the model samples inside the think channel is completed to the channel's
+closer `<|close|>think<|sep|>` (`SamplingParams.thinking_close_len`), so a small model that names the wrong
+channel there (`<|close|>response`, then the end of the turn) still goes on to answer. The K2 format opens `<think>` from the model's side, so it takes no budget.
 
 Constrained requests (`response_format` json_object / json_schema, `tool_choice` "required" or a named
 function) are constrained over the whole assistant turn (serve.openai.grammars), so the parsed reply always
@@ -53,7 +55,8 @@ from serve.openai.streaming import (CLIENT_CLOSED_REQUEST, SSE_DONE, Deadline, S
 
 
 THINK_SHARE = 0.5  # of max_tokens: the default thinking budget of a turn
-K3_THINK_END = "<|close|>think<|sep|><|open|>response<|sep|>"  # what closes the think channel of a K3 turn
+K3_THINK_CLOSE = "<|close|>think<|sep|>"  # closes the think channel of a K3 turn
+K3_THINK_END = K3_THINK_CLOSE + "<|open|>response<|sep|>"  # ... and opens the response
 
 
 def think_budget(request: ChatCompletionRequest, max_tokens: int) -> int:
@@ -117,6 +120,8 @@ class ChatHandler:
         self._grammars = (K3Grammars if config.chat_format == "k3" else K2Grammars)(engine.tokenizer)
         self._think_end = (self._tokenizer.encode(K3_THINK_END, allow_special=True)
                            if config.chat_format == "k3" else [])
+        self._think_close_len = (len(self._tokenizer.encode(K3_THINK_CLOSE, allow_special=True))
+                                 if config.chat_format == "k3" else 0)
 
     # ------------------------------------------------------------ request -> prompt, params
 
@@ -211,7 +216,8 @@ class ChatHandler:
                                        vocab_size=self._tokenizer.vocab_size, skip_special_tokens=False,
                                        constraint_factory=constraint,
                                        thinking_token_budget=budget if closes_thinking else None,
-                                       thinking_end_token_ids=self._think_end if closes_thinking else None)
+                                       thinking_end_token_ids=self._think_end if closes_thinking else None,
+                                       thinking_close_len=self._think_close_len if closes_thinking else 0)
         request_id = new_id("chatcmpl")
         check_admission(self._engine, len(plan.prompt_ids), request.n)
         deadline = Deadline.of(request.timeout, self._config.request_timeout_s)

@@ -35,7 +35,8 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int, logprobs:
                           skip_special_tokens: bool,
                           constraint_factory: Callable[[], object] | None = None,
                           thinking_token_budget: int | None = None,
-                          thinking_end_token_ids: list[int] | None = None) -> SamplingParams:
+                          thinking_end_token_ids: list[int] | None = None,
+                          thinking_close_len: int = 0) -> SamplingParams:
     """Map the shared request fields onto `SamplingParams` (OpenAI defaults where a field is absent).
 
     Raises:
@@ -69,6 +70,7 @@ def build_sampling_params(request: SamplingFields, *, max_tokens: int, logprobs:
         constraint_factory=constraint_factory,
         thinking_token_budget=thinking_token_budget,
         thinking_end_token_ids=list(thinking_end_token_ids or []),
+        thinking_close_len=thinking_close_len,
     )
     try:
         params.validate()

@@ -4,8 +4,8 @@ When a request's budget runs out, the engine appends the section's closing token
 them must be exactly the greedy continuation of ``prompt + thought + closing tokens``, i.e. the closing tokens are
 fed to the model (MLA pages and KDA state) like any other token. Covered: with and without asynchronous scheduling,
 under speculative decoding with drafts that cross the budget, through preemption, the model closing the section
-itself, closing tokens cut by max_tokens, logprobs of the closing tokens; pools end free, nothing compiles after
-warm-up. References come from ``KimiLM.generate`` (one batch, contiguous cache).
+itself (the engine completes a closer the model starts), closing tokens cut by max_tokens, logprobs of the closing
+tokens; pools end free, nothing compiles after warm-up. References come from ``KimiLM.generate`` (one batch, contiguous cache).
 """
 
 from __future__ import annotations
@@ -82,6 +82,24 @@ def test_a_section_the_model_closes_itself_gets_nothing_appended():
     assert run(e)["g"].outputs[0].token_ids == plain  # its 3rd token is the closing one: the budget is off
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_closer_the_model_starts_is_completed_by_the_engine(async_scheduling):
+    """The model's own 3rd token opens the closer (``thinking_end_token_ids[0]``); the engine appends the rest of
+    the closer (``thinking_close_len`` = 3: two more tokens, which the model would not have sampled) and the model
+    continues from there, also when the step after the closer's first token was launched ahead."""
+    plain = continuation(PROMPTS["g"], NEW)
+    closer = [plain[2], 4001, 4002]
+    head = plain[:3] + closer[1:]
+    want = head + continuation(PROMPTS["g"] + head, NEW - len(head))
+    e = make_engine(async_scheduling=async_scheduling)
+    e.add_request("g", PROMPTS["g"], greedy(NEW, thinking_token_budget=9, thinking_end_token_ids=[*closer, 4003],
+                                            thinking_close_len=3, logprobs=0))
+    out = run(e)["g"].outputs[0]
+    assert out.token_ids == want
+    assert out.logprobs[3:5] == [{4001: 0.0}, {4002: 0.0}] and out.logprobs[2][plain[2]] < 0.0
+    assert_pools_free(e)
+
+
 def test_max_tokens_cuts_the_closing_tokens_and_they_carry_logprob_zero():
     thought = continuation(PROMPTS["b"], 4)
     e = make_engine()
@@ -99,3 +117,5 @@ def test_budget_fields_are_validated():
         SamplingParams(thinking_token_budget=0, thinking_end_token_ids=[1]).validate()
     with pytest.raises(ValueError, match="thinking_end_token_ids"):
         SamplingParams(thinking_token_budget=2, thinking_end_token_ids=[-1]).validate()
+    with pytest.raises(ValueError, match="thinking_close_len"):
+        SamplingParams(thinking_token_budget=2, thinking_end_token_ids=[1, 2], thinking_close_len=3).validate()
