@@ -173,14 +173,18 @@ def block_step(first_tokens: jax.Array, positions: jax.Array, block_tables: jax.
 def block_hidden(d: DSparkDrafter, embed: jax.Array, pages: jax.Array, scales: jax.Array | None, step: StepInputs,
                  page_offset: int, *, impl: str | None = None, finite_pages: bool = True
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """The draft layers over a block step: -> (hidden [N*B, D] before the target's final norm, pages, scales)."""
+    """The draft layers over a block step of ``B <= block_size`` rows per sequence: -> (hidden [N*B, D] before the
+    target's final norm, pages, scales). The layers are causal within the block, so a block shorter than the
+    drafter's (fewer drafts verified than it was trained for) gives the same first B rows as the whole block."""
     lc = d.layer_config
-    b = d.config.block_size
     n = step.num_seqs
+    b = step.token_ids.shape[0] // n
+    if not 1 <= b <= d.config.block_size:
+        raise ValueError(f"a block step of {b} rows per sequence; the drafter's blocks hold {d.config.block_size}")
     layout = token_layout(step)
     first = embed[step.token_ids.reshape(n, b)[:, 0]]
     rows = jnp.concatenate([first[:, None], jnp.broadcast_to(d.mask_embed[...], (n, b - 1, first.shape[-1]))], 1)
-    x = (rows + d.block_pos[...][None]).reshape(n * b, -1).astype(embed.dtype)
+    x = (rows + d.block_pos[...][None, :b]).reshape(n * b, -1).astype(embed.dtype)
     for layer in range(d.config.num_layers):
         h = rms_norm(x, d.input_norm[layer], lc.rms_norm_eps)
         a, pages, scales = mla_layer(d.mla, layer, h, pages, scales, step, layout, lc, impl=impl, form="absorbed",

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from kimi_jax.drafter import DSparkConfig, DSparkDrafter
+from kimi_jax.drafter import DSparkConfig, DSparkDrafter, block_hidden, block_step
 from kimi_jax.weights.drafter_io import load_drafter, save_drafter
 from serve.engine import EngineConfig, SamplingParams
 from serve.engine.engine import LLMEngine
@@ -95,6 +95,26 @@ def test_the_default_drafter_is_the_one_beside_the_target(tmp_path, monkeypatch)
         _load_drafter(spec, "other", lm)
 
 
+def test_a_shorter_block_gives_the_first_rows_of_the_whole_block():
+    """Fewer drafts verified than the drafter's block (k < block_size - 1) run a block of 1 + k rows: the draft
+    layers are causal within the block, so its rows equal the first 1 + k rows of the whole block (fp32, over a
+    random cached context of 16 and 21 tokens)."""
+    d = drafter()
+    width = SMALL.mla_cache_width
+    pages = jax.random.normal(jax.random.PRNGKey(4), (d.config.num_layers, 15, BLOCK, width), jnp.float32)
+    first, positions = jnp.array([7, 11], jnp.int32), jnp.array([16, 21], jnp.int32)
+    tables = 1 + jnp.arange(14, dtype=jnp.int32).reshape(2, 7)  # 28 positions each: context + the block
+    embed = shared_lm().model.embed[...]
+    rows = {}
+    for b in (2, d.config.block_size):
+        hidden, _, _ = block_hidden(d, embed, pages, None, block_step(first, positions, tables, b), 0,
+                                    impl="reference")
+        rows[b] = np.asarray(hidden).reshape(2, b, -1)
+    np.testing.assert_allclose(rows[2], rows[d.config.block_size][:, :2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="block"):
+        block_hidden(d, embed, pages, None, block_step(first, positions, tables, d.config.block_size + 1), 0)
+
+
 @pytest.mark.parametrize("greedy_drafts", [False, True])
 def test_greedy_outputs_equal_the_reference(reference, greedy_drafts):
     """Sampled drafts with block verification; greedy drafts with token-level verification and the confidence
@@ -124,8 +144,8 @@ def test_sampled_requests_run_and_reproduce(reference):
 
 @pytest.mark.slow  # compiles the shipped tiny's steps, verification steps and vision encoder (~1 minute)
 def test_the_shipped_drafter_drafts_for_the_shipped_model():
-    """``{"method": "dspark"}`` with no ``model`` serves ``tiny`` with the drafter shipped beside it: greedy code
-    continuations equal the target's own, and drafts are accepted (its held-out acceptance is 1.79 tokens per
+    """``{"method": "dspark"}`` with no ``model`` serves ``tiny`` with the drafter shipped beside it, verifying 3 of
+    its block's 7 drafts: greedy code continuations equal the target's own, and drafts are accepted (its held-out acceptance is 1.79 tokens per
     step, TRAINING.md; a random drafter of the same shape accepts almost none)."""
     import kimi_jax
     from kimi_jax.api import shipped_checkpoint
@@ -135,7 +155,7 @@ def test_the_shipped_drafter_drafts_for_the_shipped_model():
     lm = kimi_jax.load("tiny", "float32")
     code = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
     llm = kimi_jax.LLM("tiny", dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
-                       speculative_config={"method": "dspark", "num_speculative_tokens": 7,
+                       speculative_config={"method": "dspark", "num_speculative_tokens": 3,
                                            "disable_by_batch_size": 0})
     ids = [llm.get_tokenizer().encode(c) for c in code]
     want = [out[len(p):] for p, out in zip(ids, lm.generate(ids, max_new_tokens=40, stop_token_ids=[]))]
