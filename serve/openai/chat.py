@@ -12,7 +12,8 @@ that would think until max_tokens still answers instead of returning an empty `c
 whose budget runs out gets the think channel closed by the engine (`SamplingParams.thinking_token_budget`);
 0 closes it in the prompt. A `<|close|>` the model samples inside the think channel is completed to the channel's
 closer `<|close|>think<|sep|>` (`SamplingParams.thinking_close_len`), so a small model that names the wrong
-channel there (`<|close|>response`, then the end of the turn) still goes on to answer. The K2 format opens `<think>` from the model's side, so it takes no budget.
+channel there (`<|close|>response`, then the end of the turn) still goes on to answer. The K2 format opens
+`<think>` from the model's side, so it takes no budget.
 
 Constrained requests (`response_format` json_object / json_schema, `tool_choice` "required" or a named
 function) are constrained over the whole assistant turn (serve.openai.grammars), so the parsed reply always

@@ -6,7 +6,6 @@ about drawn images sent as `image_url` data URLs.
 These are the structural promises of the chat-tuned `tiny` (a non-empty answer, a parsed call of the declared
 tool, an answer after the result); they need the chat checkpoint, so they skip while `tiny` is not one."""
 
-import base64
 import io
 import json
 import os
@@ -17,6 +16,7 @@ from openai import OpenAI
 
 from kimi_jax.api import shipped_checkpoint
 from kimi_jax.training.transcripts import LOOKUP_DOC
+from tests.serve.test_openai_vision import data_url
 
 
 def _is_chat_model() -> bool:
@@ -83,10 +83,10 @@ def test_thinking_budget_cuts_the_thought_and_the_model_answers(client):
     assert cut.choices[0].message.content.strip()
 
 
-def _data_url(image) -> str:
+def _png_url(image) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return data_url(buf.getvalue())
 
 
 def test_image_colour_questions_are_mostly_answered(client):
@@ -101,7 +101,7 @@ def test_image_colour_questions_are_mostly_answered(client):
     right = 0
     for _ in range(16):
         case = make_example(rng, "colour")
-        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(case.image)}},
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_url(case.image)}},
                                              {"type": "text", "text": case.question}]}]
         r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=32, temperature=0)
         right += (r.choices[0].message.content or "").strip().rstrip(".").lower() == case.answer

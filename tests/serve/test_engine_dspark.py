@@ -145,8 +145,9 @@ def test_sampled_requests_run_and_reproduce(reference):
 @pytest.mark.slow  # compiles the shipped tiny's steps, verification steps and vision encoder (~1 minute)
 def test_the_shipped_drafter_drafts_for_the_shipped_model():
     """``{"method": "dspark"}`` with no ``model`` serves ``tiny`` with the drafter shipped beside it, verifying 3 of
-    its block's 7 drafts: greedy code continuations equal the target's own, and drafts are accepted (its held-out acceptance is 1.79 tokens per
-    step, TRAINING.md; a random drafter of the same shape accepts almost none)."""
+    its block's 7 drafts: greedy code continuations equal the target's own, and drafts are accepted (its
+    held-out acceptance is 1.79 tokens per step, TRAINING.md; a random drafter of the same shape accepts almost
+    none)."""
     import kimi_jax
     from kimi_jax.api import shipped_checkpoint
 

@@ -5,7 +5,8 @@ them must be exactly the greedy continuation of ``prompt + thought + closing tok
 fed to the model (MLA pages and KDA state) like any other token. Covered: with and without asynchronous scheduling,
 under speculative decoding with drafts that cross the budget, through preemption, the model closing the section
 itself (the engine completes a closer the model starts), closing tokens cut by max_tokens, logprobs of the closing
-tokens; pools end free, nothing compiles after warm-up. References come from ``KimiLM.generate`` (one batch, contiguous cache).
+tokens; pools end free, nothing compiles after warm-up. References come from ``KimiLM.generate`` (one batch,
+contiguous cache).
 """
 
 from __future__ import annotations
