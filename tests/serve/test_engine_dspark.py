@@ -149,10 +149,7 @@ def test_the_shipped_drafter_drafts_for_the_shipped_model():
     held-out acceptance is 1.79 tokens per step, TRAINING.md; a random drafter of the same shape accepts almost
     none)."""
     import kimi_jax
-    from kimi_jax.api import shipped_checkpoint
 
-    if shipped_checkpoint("tiny-dspark") is None:
-        pytest.skip("no drafter ships beside tiny")
     lm = kimi_jax.load("tiny", "float32")
     code = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
     llm = kimi_jax.LLM("tiny", dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
