@@ -52,7 +52,9 @@ class EngineConfig:
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
     speculative_config         speculative decoding (``SpeculativeConfig``, its dict or its JSON; None = off):
                                verification buckets are compiled beside the others, and the KDA pool gets
-                               1 + k spare slots per sequence for the states after each verified token
+                               1 + k spare slots per sequence for the states after each verified token; a
+                               ``disable_by_batch_size`` below the largest sequence bucket becomes a sequence
+                               bucket, so that the buckets past it (which never speculate) compile without drafting
     encoder_batch_size         images per vision encoder launch (models with a vision tower)
     media_pool_rows            merged vision tokens the media pool holds at once (default: max of
                                max_num_batched_tokens and 4 of the largest images)
@@ -118,8 +120,12 @@ class EngineConfig:
         cfg._validate_scalars(model_config)
         defaults = default_buckets(max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs,
                                    max_pages=cfg.max_pages, gpu=gpu)
+        seqs = tuple(self.seq_buckets or defaults.seqs)
+        spec = self.speculative_config
+        if spec is not None and 0 < spec.disable_by_batch_size < max(seqs):
+            seqs = tuple(sorted({*seqs, spec.disable_by_batch_size}))
         cfg = dataclasses.replace(cfg, token_buckets=tuple(self.token_buckets or defaults.tokens),
-                                  seq_buckets=tuple(self.seq_buckets or defaults.seqs),
+                                  seq_buckets=seqs,
                                   page_buckets=tuple(self.page_buckets or defaults.pages))
         cfg.validate(model_config)
         return cfg

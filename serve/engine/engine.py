@@ -182,6 +182,7 @@ class LLMEngine:
         self._aborted: list[str] = []
         self._in_flight = None
         self.last_timing = StepTiming()
+        self._compiles_seen = runner.compiles_after_warm_up
 
     @classmethod
     def from_pretrained(cls, model, *, tokenizer="auto", dtype="auto", seed: int = 0, impl: str | None = None,
@@ -333,7 +334,17 @@ class LLMEngine:
         outputs = self._process(changed)
         _, timing.process = _lap(clock)
         self.last_timing = timing
+        self._check_compiles()
         return outputs
+
+    def _check_compiles(self) -> None:
+        """Warn once per new compilation while serving: a step shape, copy or host-side op that warm-up missed
+        costs seconds of latency each time it compiles (``EngineStats.compiles_after_warm_up``)."""
+        count = self.runner.compiles_after_warm_up
+        if count > self._compiles_seen:
+            logger.warning("%d XLA compilation(s) after warm-up (%d in all): a shape or op compiled while serving",
+                           count - self._compiles_seen, count)
+            self._compiles_seen = count
 
     def _step_failed(self, out, err: BaseException) -> list[Request]:
         """A launched (or launching) step raised: fail its requests and keep serving. When the device state did
@@ -362,7 +373,8 @@ class LLMEngine:
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
                            generation_tokens=s.generation_tokens, router_expert_tokens=router_expert_tokens(load),
-                           router_imbalance=router_imbalance(load), spec_decode=s.spec_decode)
+                           router_imbalance=router_imbalance(load), spec_decode=s.spec_decode,
+                           compiles_after_warm_up=self.runner.compiles_after_warm_up)
 
     def router_load(self):
         """Routed pairs per MoE layer and expert since start, int32 [L_moe, E] (``ModelRunner.router_load``)."""
@@ -500,6 +512,11 @@ def _scheduling_config(config: EngineConfig, runner: ModelRunner) -> EngineConfi
             getattr(spec, f) != getattr(compiled, f) for f in static)):
         raise ValueError(f"EngineConfig.speculative_config must match the runner's in {static} (its executables "
                          "depend on them); only the scheduling fields may differ")
+    limit = 0 if compiled is None else compiled.disable_by_batch_size
+    if limit and not 0 < spec.disable_by_batch_size <= limit:
+        raise ValueError(f"EngineConfig.speculative_config.disable_by_batch_size must be in [1, {limit}] (the runner's: "
+                         f"its sequence buckets past {limit} were compiled without verification or drafting), got "
+                         f"{spec.disable_by_batch_size}")
     cfg.validate(runner.model_config)
     if cfg.max_model_len > base.max_model_len:
         raise ValueError(f"EngineConfig.max_model_len {cfg.max_model_len} exceeds the runner's {base.max_model_len}")

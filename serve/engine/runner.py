@@ -66,7 +66,7 @@ from serve.engine.outputs import SampledTokens
 from serve.engine.outputs import SpecTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from serve.engine.speculation import SpecPlan, draft_model_next, draft_next, verify_rows
+from serve.engine.speculation import SpecPlan, cache_context, draft_model_next, draft_next, verify_rows
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
 from sharding.parallel import parallel_for
@@ -106,7 +106,7 @@ def _param_path(path: tuple) -> str:
 
 
 def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool,
-              finite_pages: bool, parallel, plan: SpecPlan | None, params, cache, words, optional, prev_tokens,
+              finite_pages: bool, parallel, plan: SpecPlan | None, drafting: bool, params, cache, words, optional, prev_tokens,
               router_totals, drafter_params, draft_probs):
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
@@ -134,7 +134,11 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     (``drafter_params`` its parameters) every step also runs it on its own pools and drafts k tokens after each
     sequence's new token (``speculation.draft_model_next``). ``draft_probs [S, k, V]``
     carries the drafter's distributions from one step to the next when drafts are sampled (a [1, 1, 1]
-    placeholder otherwise): row ``batch.draft_rows[n]`` of the step before is sequence n's."""
+    placeholder otherwise): row ``batch.draft_rows[n]`` of the step before is sequence n's.
+
+    ``drafting`` (static): False for the buckets whose steps never speculate (every sequence bucket past
+    ``disable_by_batch_size``): a DSpark drafter then only caches this step's context and a draft model only
+    follows the target, so that such steps cost about what they cost without speculation."""
     batch = join(unpack(words, layout), optional)
     ids = batch.step.token_ids
     pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
@@ -163,9 +167,12 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         fed = emitted if step.verify_len else step.cu_seqlens[1:] - step.cu_seqlens[:-1]
         cache, drafts = draft_model_next(plan, drafter_params, cache, step, sampled.token_ids, step.context_lens + fed,
                                          spec.num_accepted if step.verify_len else None, impl=impl,
-                                         finite_pages=finite_pages)
-        spec = dataclasses.replace(spec, drafts=drafts, num_drafts=jnp.full(n, plan.num_tokens, jnp.int32))
-    if plan is not None and plan.has_drafter:
+                                         finite_pages=finite_pages, drafting=drafting)
+        spec = dataclasses.replace(spec, drafts=drafts, num_drafts=jnp.full(n, plan.num_tokens if drafting else 0,
+                                                                            jnp.int32))
+    if plan is not None and plan.has_drafter and not drafting:
+        cache = cache_context(plan, drafter_params, cache, step, aux["taps"], impl=impl)
+    elif plan is not None and plan.has_drafter:
         q_lens = step.cu_seqlens[1:] - step.cu_seqlens[:-1]
         fed = emitted if step.verify_len else q_lens
         cache, drafts, num_drafts, probs = draft_next(
@@ -343,6 +350,7 @@ class ModelRunner:
         self.fault_injector = None  # a serve.engine.faults.FaultInjector (tests and the reliability bench)
         self.num_launches = 0  # steps launched so far (the fault injector's step numbers)
         self._last_launch = None
+        self.last_key: tuple | None = None  # the bucket key of the last launched step (launch_step's ``key``)
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
         self._tokens = self._put(np.zeros(max(self.buckets.seqs), np.int32))
@@ -356,6 +364,7 @@ class ModelRunner:
         self._rows: dict[str, int] = {}  # request id -> its row in the last step (draft_rows of the next)
         self.connector = None  # a KVConnector (kv_connector.attach_connector) moving entries to and from the host
         self.warm_up_seconds = 0.0
+        self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
         if warm_up:
             self.warm_up(progress)
 
@@ -553,11 +562,12 @@ class ModelRunner:
         cfg = self.config
         lowered = {}
 
-        def lower(buffer: WordBuffer, optional: tuple, greedy_only: bool):
+        def lower(buffer: WordBuffer, optional: tuple, greedy_only: bool, num_seqs: int):
             optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
             words = jax.ShapeDtypeStruct((buffer.layout.num_words,), jnp.int32, sharding=self.replicated)
             step_fn = jax.jit(partial(_run_step, self._graphdef, self._treedef, self.impl, cfg.max_logprobs,
-                                      buffer.layout, greedy_only, not cfg.test_mode, self.parallel, self.spec_plan),
+                                      buffer.layout, greedy_only, not cfg.test_mode, self.parallel, self.spec_plan,
+                                      self._drafting(num_seqs)),
                               donate_argnums=(1, 7),
                               out_shardings=(self.replicated, self.replicated, self.cache_shardings, self.replicated,
                                              self.replicated))
@@ -568,13 +578,13 @@ class ModelRunner:
             small, optional = split(self._neutral_batch(*shape))
             self._buffers[shape] = WordBuffer(small)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
-                lowered[(*shape, greedy_only)] = lower(self._buffers[shape], optional, greedy_only)
+                lowered[(*shape, greedy_only)] = lower(self._buffers[shape], optional, greedy_only, shape[1])
         for seqs, pages in self._verify_shapes():
             small, optional = split(self._neutral_batch(seqs * self.verify_len, seqs, pages, False, self.verify_len))
             self._verify_buffers[(seqs, pages)] = WordBuffer(small)
             for greedy_only in (False, True):
                 lowered[("verify", seqs, pages, greedy_only)] = lower(self._verify_buffers[(seqs, pages)], optional,
-                                                                      greedy_only)
+                                                                      greedy_only, seqs)
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
         pinned = dict(donate_argnums=(0,), out_shardings=self.cache_shardings)
@@ -608,6 +618,13 @@ class ModelRunner:
         if self.encoder is not None:
             self.cache = self.encoder.run_once(self.cache)
         self.warm_up_seconds = time.perf_counter() - start
+        self.compiles_at_warm_up = backend_compile_count()
+
+    @property
+    def compiles_after_warm_up(self) -> int:
+        """XLA compilations in this process since warm-up finished (0 while serving: every step shape is compiled
+        at start-up; another runner's warm-up in the same process counts too)."""
+        return 0 if self.compiles_at_warm_up is None else backend_compile_count() - self.compiles_at_warm_up
 
     def _run_each_step_once(self) -> None:
         """Run every compiled step once on its all-padding batch, which reads and writes only the reserved entry
@@ -662,11 +679,22 @@ class ModelRunner:
         """Rows per sequence of a verification step (1 + k), 0 without speculative decoding."""
         return 0 if self.spec_plan is None else 1 + self.spec_plan.num_tokens
 
+    def _drafting(self, num_seqs: int) -> bool:
+        """Whether steps of sequence bucket ``num_seqs`` may be followed by a verification step, so draft: some
+        step that fits it has fewer running requests than ``disable_by_batch_size`` (a step's sequences are
+        running requests, so a bucket whose smallest step has at least that many never speculates)."""
+        spec = self.config.speculative_config
+        if spec is None or not spec.disable_by_batch_size:
+            return spec is not None
+        seqs = self.buckets.seqs
+        i = seqs.index(num_seqs)
+        return (seqs[i - 1] + 1 if i else 1) < spec.disable_by_batch_size
+
     def _verify_shapes(self) -> list[tuple[int, int]]:
-        """(N, P) of every verification bucket: each sequence bucket with each page bucket."""
+        """(N, P) of every verification bucket: each sequence bucket that speculates with each page bucket."""
         if not self.verify_len:
             return []
-        return list(itertools.product(self.buckets.seqs, self.buckets.pages))
+        return list(itertools.product([n for n in self.buckets.seqs if self._drafting(n)], self.buckets.pages))
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput) -> StepHandle:
@@ -735,6 +763,7 @@ class ModelRunner:
         self.launch_counts[key if key[0] != "verify" else (key[1] * self.verify_len, *key[1:3], False, key[3],
                                                             self.verify_len)] += 1
         self._last_launch = (executable, (words, optional, self._tokens, self._router_totals))
+        self.last_key = key
         start = time.perf_counter()
         sampled, self._tokens, self.cache, self._router_totals, self._draft_probs = executable(
             self.params, self.cache, *self._last_launch[1], self.drafter_params, self._draft_probs)

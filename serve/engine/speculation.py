@@ -101,25 +101,35 @@ def verify_rows(logits: jax.Array, step: StepInputs, sampling: SamplingTensors, 
     return sampled, SpecTokens(accepted, emitted, jnp.zeros((n, k), jnp.int32), jnp.zeros(n, jnp.int32))
 
 
+def cache_context(plan: SpecPlan, drafter_params: list, cache: HybridCache, step: StepInputs, taps: jax.Array, *,
+                  impl: str | None) -> HybridCache:
+    """Cache the context latents of every row this step fed in the DSpark drafter's page layers (taps
+    [n_taps, T, D]: the target's tapped residuals of those rows): what its later blocks attend to. Steps that do
+    not draft (their bucket never speculates) still run it, so the drafter's context has no holes when the batch
+    shrinks and speculation resumes."""
+    drafter = nnx.merge(plan.drafter_graphdef, jax.tree.unflatten(plan.drafter_treedef, drafter_params))
+    fused = fuse_taps(drafter, taps, impl=impl)
+    pages, scales = write_context(drafter, cache.mla, cache.mla_scales, fused, step, token_layout(step),
+                                  plan.page_offset, impl=impl)
+    return dataclasses.replace(cache, mla=pages, mla_scales=scales)
+
+
 def draft_next(plan: SpecPlan, model: KimiModel, drafter_params: list, cache: HybridCache, step: StepInputs,
                taps: jax.Array, first_tokens: jax.Array, positions: jax.Array, sampling: SamplingTensors,
                step_index: jax.Array, *, impl: str | None, finite_pages: bool
                ) -> tuple[HybridCache, jax.Array, jax.Array, jax.Array | None]:
-    """Cache this step's context latents and draft the next block of each sequence (DSpark).
+    """Cache this step's context latents (``cache_context``) and draft the next block of each sequence (DSpark).
 
     taps [n_taps, T, D]: the target's tapped residuals of every fed row; first_tokens [N]: each sequence's new
     token, at ``positions [N]``; step_index [N]: output tokens the request will have before the drafts (keys the
     draft sampling). -> (cache, drafts [N, k], num_drafts [N], the drafter's distributions [N, k, V] when drafts
     are sampled, else None)."""
+    cache = cache_context(plan, drafter_params, cache, step, taps, impl=impl)
     drafter = nnx.merge(plan.drafter_graphdef, jax.tree.unflatten(plan.drafter_treedef, drafter_params))
-    layout = token_layout(step)
-    fused = fuse_taps(drafter, taps, impl=impl)
-    pages, scales = write_context(drafter, cache.mla, cache.mla_scales, fused, step, layout, plan.page_offset,
-                                  impl=impl)
     k = plan.num_tokens
     block = block_step(first_tokens, positions, step.block_tables, 1 + k)
-    hidden, pages, scales = block_hidden(drafter, model.embed[...], pages, scales, block, plan.page_offset,
-                                         impl=impl, finite_pages=finite_pages)
+    hidden, pages, scales = block_hidden(drafter, model.embed[...], cache.mla, cache.mla_scales, block,
+                                         plan.page_offset, impl=impl, finite_pages=finite_pages)
     n = first_tokens.shape[0]
     normed = rms_norm(hidden, drafter.norm[...], model.config.rms_norm_eps)
     base = compute_logits(model, normed).reshape(n, 1 + k, -1)
@@ -148,8 +158,8 @@ def draft_next(plan: SpecPlan, model: KimiModel, drafter_params: list, cache: Hy
 
 
 def draft_model_next(plan: SpecPlan, draft_params: list, cache: HybridCache, step: StepInputs, first_tokens: jax.Array,
-                     positions: jax.Array, accepted: jax.Array | None, *, impl: str | None, finite_pages: bool
-                     ) -> tuple[HybridCache, jax.Array]:
+                     positions: jax.Array, accepted: jax.Array | None, *, impl: str | None, finite_pages: bool,
+                     drafting: bool = True) -> tuple[HybridCache, jax.Array]:
     """Advance the draft model over this step's inputs and draft the next k tokens of each sequence (greedy).
 
     The committed pass feeds the draft model exactly what the target was fed, on ``cache.draft``: its state then
@@ -158,10 +168,13 @@ def draft_model_next(plan: SpecPlan, draft_params: list, cache: HybridCache, ste
     accepted prefix (``checkpoint_slots[n, accepted[n]]`` in a verification step, else the live slot) and feeds
     ``first_tokens [N]`` (the new tokens, at ``positions [N]``) and then its own drafts; that copy is dropped,
     and its page writes lie past the committed tokens, where the next step's writes replace them.
+    ``drafting`` False (static; a bucket that never speculates): the committed pass only, and no drafts.
     -> (cache, drafts [N, k] int32)."""
     draft = nnx.merge(plan.drafter_graphdef, jax.tree.unflatten(plan.drafter_treedef, draft_params))
     _, committed = forward(draft, cache.draft, step, impl=impl, mla_form="auto", finite_pages=finite_pages)
     n = step.num_seqs
+    if not drafting:
+        return dataclasses.replace(cache, draft=committed), jnp.zeros((n, plan.num_tokens), jnp.int32)
     rows = jnp.arange(n)
     source = step.state_slots if accepted is None else step.checkpoint_slots[rows, accepted]
     pad = lambda a: jnp.concatenate([jnp.zeros_like(a[:, :1]), a[:, source]], axis=1)  # noqa: E731 - slot 0 spare

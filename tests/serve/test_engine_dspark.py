@@ -161,3 +161,51 @@ def test_the_shipped_drafter_drafts_for_the_shipped_model():
     assert [list(r.outputs[0].token_ids) for r in got] == want
     spec = llm.engine.stats().spec_decode
     assert spec.num_drafts > 0 and spec.num_accepted_tokens >= spec.num_drafts // 4, spec
+
+
+@functools.cache
+def context_drafter() -> DSparkDrafter:
+    """A random drafter whose attention over the cached context outweighs its block embeddings (o_proj x 20), so
+    its drafts change with the context (``drafter()``'s mostly repeat one token)."""
+    d = DSparkDrafter(DSparkConfig(target_layer_ids=(1, 3), num_layers=1, block_size=4, markov_rank=4), SMALL,
+                      dtype=jnp.float32, rngs=nnx.Rngs(3))
+    d.mla.o_proj.set_value(d.mla.o_proj.get_value() * 20.0)
+    return d
+
+
+def test_buckets_past_the_batch_bound_cache_context_but_do_not_draft(reference):
+    """``disable_by_batch_size`` 3 becomes a sequence bucket: N=3 drafts and verifies, N=4 and N=8 (four or more
+    running requests, never speculating) compile without drafting or verification but still cache the drafter's
+    context. Four requests, two of which finish early: greedy outputs equal the reference, and once two are left
+    the drafts at each position equal those of a runner that drafted in every step, which needs the context that
+    the four-request steps cached (without that context 13 of 18 differ here)."""
+    spec = {**GREEDY_DRAFTS, "min_draft_confidence": 0.0, "disable_by_batch_size": 3}
+    bounded = ModelRunner(shared_lm(), dataclasses.replace(
+        RUNNER_CONFIG, token_buckets=(64,), seq_buckets=(4, 8), speculative_config=spec), drafter=context_drafter())
+    assert bounded.config.seq_buckets == (3, 4, 8)
+    assert {key[0] for key in bounded._verify_steps} == {3}
+    everywhere = ModelRunner(shared_lm(), dataclasses.replace(
+        RUNNER_CONFIG, token_buckets=(64,), speculative_config={**spec, "disable_by_batch_size": 0}),
+        drafter=context_drafter())
+
+    def drafts(runner: ModelRunner) -> tuple[dict, dict]:
+        e = LLMEngine(runner, config=EngineConfig(block_size=BLOCK, speculative_config=spec))
+        for name in ("a", "d", "h", "k"):
+            e.add_request(name, PROMPTS[name], greedy(3 if name in "ad" else NEW))
+        seen, done = {}, {}
+        while e.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0].token_ids) for o in e.step() if o.finished)
+            if len(e.scheduler.running) < 3:
+                seen.update(((r.request_id, r.num_tokens), tuple(r.draft_token_ids))
+                            for r in e.scheduler.running if r.draft_token_ids)
+        assert e.stats().spec_decode.num_drafts > 0
+        assert_pools_free(e)
+        return seen, done
+
+    (got, outputs), (want, _) = drafts(bounded), drafts(everywhere)
+    assert outputs == {n: reference[n][:len(outputs[n])] for n in outputs} and len(outputs["h"]) == NEW
+    common = sorted(set(got) & set(want))
+    assert common and all(got[key] == want[key] for key in common)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        LLMEngine(bounded, config=EngineConfig(block_size=BLOCK, speculative_config={**spec,
+                                                                                     "disable_by_batch_size": 5}))
