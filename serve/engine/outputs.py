@@ -108,6 +108,8 @@ class EngineStats:
     """Mean over MoE layers of (busiest expert's pairs) / (mean pairs per expert); 1 = perfectly balanced."""
     num_replicas: int = 1
     spec_decode: "SpecDecodeStats | None" = None
+    compiles_after_warm_up: int = 0
+    """XLA compilations since the engine finished compiling its step shapes at start-up (0 while serving)."""
 
 
 @dataclasses.dataclass

@@ -62,6 +62,11 @@ class _EngineCollector:
                                       labels=["model_name"])
             gauge.add_metric([self._model_name], stats.router_imbalance)
             yield gauge
+        compiles = GaugeMetricFamily("kimi_jax:compiles_after_warm_up",
+                                     "XLA compilations since start-up compiled every step shape (0 while serving).",
+                                     labels=["model_name"])
+        compiles.add_metric([self._model_name], float(getattr(stats, "compiles_after_warm_up", 0)))
+        yield compiles
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:  # speculative decoding, in vLLM's names
             yield from self._spec_families(spec)

@@ -455,3 +455,20 @@ def test_gpu_compiler_options_are_valid_xla_options():
     np.testing.assert_array_equal(lowered.compile(GPU_COMPILER_OPTIONS)(jnp.ones(3)), 2.0)
     with pytest.raises(Exception, match="not a valid enum value"):
         lowered.compile({**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "NO_SUCH_MODE"})
+
+
+def test_a_compilation_while_serving_is_counted_and_logged(reference, caplog):
+    """``EngineStats.compiles_after_warm_up`` (the server's ``kimi_jax:compiles_after_warm_up``) counts XLA
+    compilations since warm-up; a new one is logged as a warning at the next step. Serving itself adds none."""
+    e = make_engine()
+    start = e.stats().compiles_after_warm_up
+    e.add_request("a", PROMPTS["a"], greedy(4))
+    run(e)
+    assert e.stats().compiles_after_warm_up == start
+    jax.jit(lambda x: x * 3.0 + 0.25)(np.arange(11.0))  # a shape and function nothing else compiles
+    assert e.stats().compiles_after_warm_up >= start + 1
+    e.add_request("b", PROMPTS["b"], greedy(2))
+    with caplog.at_level("WARNING", logger="serve.engine.engine"):
+        while e.has_unfinished_requests():
+            e.step()
+    assert any("compilation(s) after warm-up" in r.getMessage() for r in caplog.records)

@@ -162,6 +162,7 @@ def test_metrics_move_and_bad_input_is_a_400(client, base_url):
         return sum(float(l.rsplit(" ", 1)[1]) for l in lines)
 
     assert value(after, "vllm:generation_tokens_total") >= value(before, "vllm:generation_tokens_total") + 3
+    assert 'kimi_jax:compiles_after_warm_up{model_name="tiny"}' in after  # the no-recompilation check
     bad = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     long = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "x " * 2000, "max_tokens": 4})
