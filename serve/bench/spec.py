@@ -12,7 +12,8 @@ Cases (``--cases``):
 
 Each case builds two runners of the same engine config over the same weights (the parameter buffers are shared):
 one without speculation, one with it. For each batch size B the repeats are interleaved (plain, speculative,
-plain, ...): B requests decode ``--new-tokens`` greedy tokens (``ignore_eos``). Per-user tok/s is the tokens a
+plain, ...): B requests decode ``--new-tokens`` greedy tokens (``ignore_eos``); repeat r takes the B prompts from
+prompt r x B on (so batch-1 repeats decode different prompts, both arms the same ones). Per-user tok/s is the tokens a
 request emits while every request decodes (from the step where all have their first token to the step where
 the first one finishes) over that time, averaged over requests. A row reports the median and spread (min, max)
 of both arms, the speedup of the medians, the speculative runs' acceptance (mean acceptance length, acceptance
@@ -79,6 +80,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--matmul-precision", default="highest",
                    help="jax_default_matmul_precision (highest: fp32 matmuls stay fp32 on a GPU, not TF32, so the "
                         "dspark case's greedy check compares exact arithmetic; bf16 matmuls are unaffected)")
+    p.add_argument("--prompts", default=None, metavar="JSON",
+                   help="the dspark and draft_model cases' prompts: a JSON list of token-id lists (default: windows "
+                        "of the held-out code stream, which depends on this Python's standard library)")
+    p.add_argument("--write-prompts", default=None, metavar="JSON",
+                   help="write the code prompts used to this file (for --prompts on another machine)")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="add an XLA compile option to the engine's GPU executables, e.g. xla_gpu_autotune_level=0")
+    p.add_argument("--step-timing", action="store_true",
+                   help="also time one steady-state step of each arm per batch (device ms, relaunched back to back)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
@@ -98,6 +108,26 @@ def code_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
         raise ValueError(f"the held-out stream has {len(stream)} tokens, fewer than {count} prompts of {length}")
     starts = np.linspace(0, len(stream) - length, count).astype(int)
     return [stream[s:s + length].astype(int).tolist() for s in starts]
+
+
+def case_prompts(args) -> list[list[int]]:
+    """The code prompts of the dspark and draft_model cases: ``--prompts`` or held-out windows (one per request
+    of the largest batch and per repeat, so that batch-1 repeats decode different prompts)."""
+    from kimi_jax.tokenizer import load_tokenizer
+
+    count = max(max(args.batches), args.repeats)
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = [[int(t) for t in p] for p in json.load(f)]
+        if len(prompts) < count:
+            raise ValueError(f"--prompts holds {len(prompts)} prompts; the runs need {count}")
+        return prompts
+    prompts = code_prompts(load_tokenizer(args.target if os.path.isdir(args.target) else "tiny"), count,
+                           args.prompt_len)
+    if args.write_prompts:
+        with open(args.write_prompts, "w") as f:
+            json.dump(prompts, f)
+    return prompts
 
 
 def repetition_prompts(vocab: int, count: int, length: int, span: int, seed: int = 0) -> list[list[int]]:
@@ -149,6 +179,33 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
                 window_s=seconds, outputs=[outputs[i] for i in ids], verification_steps=verify_steps,
                 draft_rows=rows, accepted=accepted,
                 accepted_per_pos=[b - a for a, b in zip(spec_before[2], spec_after[2])], pools_free=engine.is_idle())
+
+
+def step_device_ms(arm: Arm, prompts: list[list[int]], repeats: int = 30) -> dict:
+    """Device time of one steady-state step of ``arm`` at this batch: a fresh engine decodes until every request
+    has 8 tokens, then the last launched step (a verification step when the arm speculates) is relaunched
+    ``repeats`` times back to back (``ModelRunner.time_step``); the requests are then aborted."""
+    from serve.engine.config import EngineConfig
+    from serve.engine.engine import LLMEngine
+    from serve.engine.sampling_params import SamplingParams
+
+    runner = arm.runner
+    engine = LLMEngine(runner, config=EngineConfig(max_num_seqs=len(prompts), enable_prefix_caching=False,
+                                                   max_num_batched_tokens=runner.config.max_num_batched_tokens,
+                                                   speculative_config=arm.spec))
+    ids = [f"time-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    requests = [engine.scheduler.requests[i] for i in ids]
+    while not all(r.num_output_tokens >= 8 for r in requests):
+        engine.step()
+    key = runner.last_key
+    seconds = runner.time_step(repeats)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return dict(ms=seconds * 1e3, step=str(key))
 
 
 def _spec_counts(engine) -> tuple[int, int, list[int]]:
@@ -208,7 +265,6 @@ def setup_dspark(args):
     """(model, speculative config, drafter, prompts) of the dspark case, or None when there is no drafter."""
     import kimi_jax
     from kimi_jax.api import shipped_checkpoint
-    from kimi_jax.tokenizer import load_tokenizer
     from kimi_jax.weights.drafter_io import load_drafter
 
     folder = args.drafter or shipped_checkpoint(f"{args.target}-dspark")
@@ -220,15 +276,12 @@ def setup_dspark(args):
     spec = {"method": "dspark", "model": folder, "num_speculative_tokens": k}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    tokenizer = load_tokenizer(args.target if os.path.isdir(args.target) else "tiny")
-    prompts = code_prompts(tokenizer, max(args.batches), args.prompt_len)
-    return lm.model, spec, drafter, prompts
+    return lm.model, spec, drafter, case_prompts(args)
 
 
 def setup_draft_model(args):
     """(target, speculative config, draft model, prompts) of the draft_model case, or None without a draft model."""
     import kimi_jax
-    from kimi_jax.tokenizer import load_tokenizer
 
     if args.draft_model is None:
         return None
@@ -238,8 +291,7 @@ def setup_draft_model(args):
             "num_speculative_tokens": args.num_speculative_tokens or 4}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    tokenizer = load_tokenizer(args.target if os.path.isdir(args.target) else "tiny")
-    return lm.model, spec, draft, code_prompts(tokenizer, max(args.batches), args.prompt_len)
+    return lm.model, spec, draft, case_prompts(args)
 
 
 def setup_ngram(args):
@@ -258,7 +310,7 @@ def setup_ngram(args):
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    prompts = repetition_prompts(cfg.vocab_size, max(args.batches), args.prompt_len, args.span)
+    prompts = repetition_prompts(cfg.vocab_size, max(max(args.batches), args.repeats), args.prompt_len, args.span)
     return model, spec, None, prompts
 
 
@@ -305,7 +357,8 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
     arms = [Arm("plain", build_runner(model, args, None, None, max_len), None),
             Arm("spec", build_runner(model, args, spec, drafter, max_len), spec)]
     case.update(spec_config=spec, layers=model.config.num_layers, vocab=model.config.vocab_size,
-                setup_s=time.perf_counter() - t0, executables=[a.runner.num_executables for a in arms])
+                setup_s=time.perf_counter() - t0, executables=[a.runner.num_executables for a in arms],
+                warm_up_s=[a.runner.warm_up_seconds for a in arms])
     print(f"[spec bench] {name}: {jax.devices()[0].device_kind}, {spec}; setup {case['setup_s']:.1f}s", flush=True)
     compiles = backend_compile_count()
     mismatches = 0
@@ -316,12 +369,16 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
             if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
                 report.doc["stopped_by_deadline"] = True
                 break
+            first = repeat * batch % len(prompts)
+            chosen = (prompts[first:] + prompts[:first])[:batch]  # batch-1 repeats: different prompts
             for arm in arms:
-                runs[arm.name].append(run_batch(arm, prompts[:batch], args.new_tokens, f"{arm.name}-{repeat}"))
+                runs[arm.name].append(run_batch(arm, chosen, args.new_tokens, f"{arm.name}-{repeat}"))
             found += compare(runs["plain"][-1]["outputs"], runs["spec"][-1]["outputs"])
         if not runs["spec"]:
             break
         row = summarize(batch, runs["plain"], runs["spec"], found)
+        if args.step_timing:
+            row["step_device_ms"] = {arm.name: step_device_ms(arm, prompts[:batch]) for arm in arms}
         mismatches += row["greedy_mismatches"]
         case["rows"].append(row)
         case["compiles_while_running"] = backend_compile_count() - compiles
@@ -342,6 +399,13 @@ def main(argv=None) -> int:
 
 def _run(args) -> int:
     import jax
+
+    from serve.bench.decode import _option_value
+    from serve.engine import runner as runner_module
+
+    for option in args.xla_option:
+        name, _, value = option.partition("=")
+        runner_module.GPU_COMPILER_OPTIONS = {**runner_module.GPU_COMPILER_OPTIONS, name: _option_value(value)}
 
     on_gpu = jax.devices()[0].platform == "gpu"
     args.block_size = args.block_size or (64 if on_gpu else 16)

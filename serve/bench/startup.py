@@ -1,0 +1,138 @@
+"""Start-up and first-request latency of ``kimi-jax serve`` (benchmark).
+
+Launches the server ``--launches`` times in a row over one fresh compilation cache folder (the first launch is a
+cold start that compiles every step shape; later ones read the executables back from the cache), and for each
+launch records: seconds from the process start to ``/health`` answering 200 (weights, pools and warm-up), the
+latency of the first and second requests (a greedy completion of ``--max-tokens`` tokens and a chat turn, each
+sent twice), and ``kimi_jax:compiles_after_warm_up`` from ``/metrics`` after them (0: no request compiled
+anything). Everything after ``--`` is passed to ``kimi-jax serve``.
+
+    python -m serve.bench.startup --launches 2 -- tiny --max-num-seqs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_OUT_NAME = "bench_startup.json"
+_COMPILES = "kimi_jax:compiles_after_warm_up"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--launches", type=int, default=2, help="server launches over one compilation cache folder")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a launch after this many seconds")
+    p.add_argument("--cache-dir", default=None, help="compilation cache folder (default: a fresh temporary one)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(own)
+    if args.launches < 1:
+        p.error("--launches must be >= 1")
+    args.serve_args = serve_args
+    return args
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Seconds until ``/health`` answers 200; RuntimeError when the server exits or the timeout passes."""
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base + "/health", timeout=2.0).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s")
+
+
+def timed_requests(base: str, model: str, max_tokens: int) -> dict:
+    """Latency (s) of a greedy completion and of a chat turn, each sent twice."""
+    import httpx
+
+    bodies = {"completion": ("/v1/completions", {"model": model, "prompt": "def add(a, b):\n", "max_tokens": max_tokens,
+                                                 "temperature": 0}),
+              "chat": ("/v1/chat/completions", {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "Say hello."}]})}
+    out = {}
+    with httpx.Client(timeout=600.0) as client:
+        for name, (path, body) in bodies.items():
+            for attempt in ("first", "second"):
+                start = time.perf_counter()
+                response = client.post(base + path, json=body)
+                response.raise_for_status()
+                out[f"{name}_{attempt}_s"] = time.perf_counter() - start
+    return out
+
+
+def compiles_after_warm_up(base: str) -> float | None:
+    import httpx
+
+    for line in httpx.get(base + "/metrics", timeout=10.0).text.splitlines():
+        if line.startswith(_COMPILES + "{") or line.startswith(_COMPILES + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def served_model(base: str) -> str:
+    import httpx
+
+    return httpx.get(base + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+
+
+def launch(args, cache_dir: str, index: int) -> dict:
+    """One server launch: ready time, request latencies, compiles after warm-up; the server is then stopped."""
+    base = f"http://127.0.0.1:{args.port}"
+    env = {**os.environ, "KIMI_JAX_COMPILE_CACHE": cache_dir}
+    log_path = os.path.join(args.out, f"startup_server_{index}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--host", "127.0.0.1", "--port",
+                                 str(args.port), *args.serve_args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            row = dict(launch=index, ready_s=wait_ready(base, proc, args.timeout_s))
+            row.update(timed_requests(base, served_model(base), args.max_tokens))
+            row["compiles_after_warm_up"] = compiles_after_warm_up(base)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="kimi_jax_jit_")
+    doc = dict(serve_args=args.serve_args, cache_dir=cache, launches=[])
+    path = os.path.join(args.out, _OUT_NAME)
+    failed = 0
+    for index in range(args.launches):
+        try:
+            row = launch(args, cache, index)
+        except Exception as err:  # noqa: BLE001 - reported in the JSON, the run goes on
+            row, failed = dict(launch=index, error=str(err)), failed + 1
+        doc["launches"].append(row)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(json.dumps(row), flush=True)
+    return 1 if failed or any(r.get("compiles_after_warm_up") for r in doc["launches"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
