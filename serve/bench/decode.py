@@ -86,16 +86,6 @@ def _acceptance(before: tuple, after: tuple) -> dict:
     return dict(mean_acceptance_length=1.0 + accepted / rows if rows else 1.0, acceptance_per_position=per_pos)
 
 
-def _option_value(text: str) -> bool | int | str:
-    """An ``--xla-option`` value as XLA's option parser wants it: true/false, an integer, else the string."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
 def main(argv: list[str] | None = None) -> None:
     from serve.engine.config import MXFP4_BYTE_ORDERS
 
@@ -177,9 +167,10 @@ def main(argv: list[str] | None = None) -> None:
         spec = None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config)
     except ValueError as e:
         parser.error(str(e))
-    for option in args.xla_option:
-        name, _, value = option.partition("=")
-        runner_module.GPU_COMPILER_OPTIONS = {**runner_module.GPU_COMPILER_OPTIONS, name: _option_value(value)}
+    try:
+        runner_module.add_gpu_compiler_options(args.xla_option)
+    except ValueError as e:
+        parser.error(str(e))
 
     tuning.override(KDADecodeConfig(split_v=args.kda_split_v if args.kda_split_v >= 0 else None,
                                     fused_max_rows=args.kda_fused_max_rows if args.kda_fused_max_rows >= 0 else None))

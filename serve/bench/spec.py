@@ -400,12 +400,9 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     import jax
 
-    from serve.bench.decode import _option_value
     from serve.engine import runner as runner_module
 
-    for option in args.xla_option:
-        name, _, value = option.partition("=")
-        runner_module.GPU_COMPILER_OPTIONS = {**runner_module.GPU_COMPILER_OPTIONS, name: _option_value(value)}
+    runner_module.add_gpu_compiler_options(args.xla_option)
 
     on_gpu = jax.devices()[0].platform == "gpu"
     args.block_size = args.block_size or (64 if on_gpu else 16)

@@ -81,6 +81,26 @@ their buffer dependencies only, so independent small kernels overlap (H200, Kimi
 device time per decode step 0.71 -> 0.61 ms at batch 1 and 1.78 -> 1.68 ms at batch 16; BENCHMARKS.md,
 engine)."""
 
+
+def add_gpu_compiler_options(options: list[str]) -> None:
+    """Add ``name=value`` XLA options (e.g. ``xla_gpu_autotune_level=0``) to GPU_COMPILER_OPTIONS; a value of
+    true/false is a bool, an integer an int, anything else the string (as XLA's option parser wants them)."""
+    global GPU_COMPILER_OPTIONS
+    for option in options:
+        name, sep, text = option.partition("=")
+        if not sep or not name:
+            raise ValueError(f"XLA option {option!r}: expected name=value")
+        value: bool | int | str = text
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                pass
+        GPU_COMPILER_OPTIONS = {**GPU_COMPILER_OPTIONS, name: value}
+
+
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 _compile_count = 0
 

@@ -457,6 +457,22 @@ def test_gpu_compiler_options_are_valid_xla_options():
         lowered.compile({**GPU_COMPILER_OPTIONS, "xla_gpu_command_buffer_scheduling_mode": "NO_SUCH_MODE"})
 
 
+def test_added_compiler_options_are_typed_and_malformed_ones_refused(monkeypatch):
+    """``--xla-option name=value`` reaches XLA typed (bool, int, else string) and keeps the defaults; a missing
+    ``=`` is a ValueError naming the option."""
+    from serve.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "GPU_COMPILER_OPTIONS", dict(runner_module.GPU_COMPILER_OPTIONS))
+    runner_module.add_gpu_compiler_options(["xla_gpu_autotune_level=0", "xla_gpu_enable_triton_gemm=False",
+                                            "xla_dump_to=/tmp/x"])
+    added = runner_module.GPU_COMPILER_OPTIONS
+    assert added["xla_gpu_autotune_level"] == 0 and added["xla_gpu_enable_triton_gemm"] is False
+    assert added["xla_dump_to"] == "/tmp/x"
+    assert added["xla_gpu_command_buffer_scheduling_mode"] == "CONCURRENT"
+    with pytest.raises(ValueError, match="xla_gpu_autotune_level"):
+        runner_module.add_gpu_compiler_options(["xla_gpu_autotune_level"])
+
+
 def test_a_compilation_while_serving_is_counted_and_logged(reference, caplog):
     """``EngineStats.compiles_after_warm_up`` (the server's ``kimi_jax:compiles_after_warm_up``) counts XLA
     compilations since warm-up; a new one is logged as a warning at the next step. Serving itself adds none."""
