@@ -18,7 +18,8 @@ request emits while every request decodes (from the step where all have their fi
 the first one finishes) over that time, averaged over requests. A row reports the median and spread (min, max)
 of both arms, the speedup of the medians, the speculative runs' acceptance (mean acceptance length, acceptance
 rate per draft position, verification steps) and the greedy check: every request's output ids compared token for
-token between the arms of each repeat. Speculation turns itself off at ``disable_by_batch_size`` running requests,
+token between the arms of each repeat, and per arm the wall ms of one engine step with its serial host ms (the
+device idles for it unless the step was launched ahead) and the fraction launched ahead. Speculation turns itself off at ``disable_by_batch_size`` running requests,
 as when serving, so the rows at and past it measure that rule.
 
 The JSON (``--out``/bench_spec.json) is rewritten after every row; no run starts after ``--deadline-s``. The exit
@@ -159,17 +160,21 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
     requests = [engine.scheduler.requests[i] for i in ids]
     outputs = {}
 
+    timings = []
+
     def step() -> None:
         outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        timings.append(engine.last_timing)
 
     while not all(r.num_output_tokens >= 1 for r in requests):
         step()
     before, verify_before = [r.num_output_tokens for r in requests], _verify_launches(runner)
     spec_before = _spec_counts(engine)
-    start = time.perf_counter()
+    start, first = time.perf_counter(), len(timings)
     while not any(r.is_finished for r in requests):
         step()
     seconds = time.perf_counter() - start
+    window = timings[first:]
     emitted = [r.num_output_tokens - b for r, b in zip(requests, before)]
     spec_after, verify_steps = _spec_counts(engine), _verify_launches(runner) - verify_before
     while engine.has_unfinished_requests():
@@ -177,7 +182,9 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
     rows, accepted = spec_after[0] - spec_before[0], spec_after[1] - spec_before[1]
     return dict(per_user_tokens_per_s=float(np.mean(emitted)) / seconds, tokens_per_s=sum(emitted) / seconds,
                 window_s=seconds, outputs=[outputs[i] for i in ids], verification_steps=verify_steps,
-                draft_rows=rows, accepted=accepted,
+                draft_rows=rows, accepted=accepted, steps=len(window),
+                host_serial_ms=1e3 * float(np.mean([t.update + t.schedule + t.launch for t in window])),
+                ahead_fraction=float(np.mean([t.ahead for t in window])),
                 accepted_per_pos=[b - a for a, b in zip(spec_before[2], spec_after[2])], pools_free=engine.is_idle())
 
 
@@ -237,6 +244,14 @@ def summarize(batch: int, plain: list[dict], spec: list[dict], mismatches: list[
     accepted = sum(r["accepted"] for r in spec)
     per_pos = np.sum([r["accepted_per_pos"] for r in spec], axis=0) if spec[0]["accepted_per_pos"] else []
     p, s = spread(plain), spread(spec)
+
+    def per_step(runs: list[dict]) -> dict:
+        """Wall ms per engine step, its serial host ms (update + schedule + launch: the device idles unless the
+        step was launched ahead) and the fraction of steps launched ahead, medians over the runs."""
+        return dict(wall_ms=statistics.median(1e3 * r["window_s"] / max(r["steps"], 1) for r in runs),
+                    host_serial_ms=statistics.median(r["host_serial_ms"] for r in runs),
+                    ahead_fraction=statistics.median(r["ahead_fraction"] for r in runs))
+
     return dict(batch=batch, repeats=len(spec), plain_per_user_tokens_per_s=p, spec_per_user_tokens_per_s=s,
                 speedup=s["median"] / p["median"],
                 plain_tokens_per_s=statistics.median(r["tokens_per_s"] for r in plain),
@@ -244,6 +259,7 @@ def summarize(batch: int, plain: list[dict], spec: list[dict], mismatches: list[
                 mean_acceptance_length=1.0 + accepted / rows if rows else 1.0,
                 acceptance_rate_per_position=[float(a) / rows if rows else 0.0 for a in per_pos],
                 draft_rows=rows, verification_steps=sum(r["verification_steps"] for r in spec),
+                plain_step=per_step(plain), spec_step=per_step(spec),
                 greedy_mismatches=len(mismatches), mismatch_examples=mismatches[:4],
                 pools_free=all(r["pools_free"] for r in plain + spec))
 

@@ -80,6 +80,8 @@ def test_every_case_reports_both_arms_with_identical_greedy_outputs(toy, tmp_pat
         for row in case["rows"]:
             assert row["greedy_mismatches"] == 0 and row["pools_free"]
             assert row["plain_per_user_tokens_per_s"]["median"] > 0 and row["spec_per_user_tokens_per_s"]["runs"]
+            for arm in (row["plain_step"], row["spec_step"]):
+                assert 0 < arm["host_serial_ms"] < arm["wall_ms"] and 0.0 <= arm["ahead_fraction"] <= 1.0
             assert row["speedup"] == pytest.approx(row["spec_per_user_tokens_per_s"]["median"]
                                                    / row["plain_per_user_tokens_per_s"]["median"])
             per_pos = row["acceptance_rate_per_position"]
