@@ -158,7 +158,8 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
 
     ``drafting`` (static): False for the buckets whose steps never speculate (every sequence bucket past
     ``disable_by_batch_size``): a DSpark drafter then only caches this step's context and a draft model only
-    follows the target, so that such steps cost about what they cost without speculation."""
+    follows the target, and the step returns no speculation outputs (``spec`` None: nothing more to copy back), so
+    that such steps cost about what they cost without speculation."""
     batch = join(unpack(words, layout), optional)
     ids = batch.step.token_ids
     pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
@@ -181,15 +182,16 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         sampled = _sample_rows(logits, batch, impl, num_top_logprobs, greedy_only, parallel)
         sampled = dataclasses.replace(sampled, finite=jnp.all(jnp.isfinite(logits), axis=-1))
         emitted = jnp.ones(n, jnp.int32)
-        spec = None if plan is None else SpecTokens(jnp.zeros(n, jnp.int32), sampled.token_ids[:, None],
-                                                    jnp.zeros((n, plan.num_tokens), jnp.int32), jnp.zeros(n, jnp.int32))
+        spec = None if plan is None or not drafting else SpecTokens(  # no drafts: no outputs to copy back
+            jnp.zeros(n, jnp.int32), sampled.token_ids[:, None], jnp.zeros((n, plan.num_tokens), jnp.int32),
+            jnp.zeros(n, jnp.int32))
     if plan is not None and plan.has_draft_model:
         fed = emitted if step.verify_len else step.cu_seqlens[1:] - step.cu_seqlens[:-1]
         cache, drafts = draft_model_next(plan, drafter_params, cache, step, sampled.token_ids, step.context_lens + fed,
                                          spec.num_accepted if step.verify_len else None, impl=impl,
                                          finite_pages=finite_pages, drafting=drafting)
-        spec = dataclasses.replace(spec, drafts=drafts, num_drafts=jnp.full(n, plan.num_tokens if drafting else 0,
-                                                                            jnp.int32))
+        if drafting:
+            spec = dataclasses.replace(spec, drafts=drafts, num_drafts=jnp.full(n, plan.num_tokens, jnp.int32))
     if plan is not None and plan.has_drafter and not drafting:
         cache = cache_context(plan, drafter_params, cache, step, aux["taps"], impl=impl)
     elif plan is not None and plan.has_drafter:

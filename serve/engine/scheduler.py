@@ -370,8 +370,10 @@ class Scheduler:
                     self._drain(request)
                 else:
                     self._retire(request, retain_state=True)
-            elif spec is not None and self.speculative.on_device and request.num_tokens == request.num_computed_tokens + 1:
-                request.draft_token_ids = np.asarray(spec.drafts[row, :int(spec.num_drafts[row])]).tolist()
+            elif (self.speculative is not None and self.speculative.on_device
+                  and request.num_tokens == request.num_computed_tokens + 1):  # a step past the batch bound: none
+                request.draft_token_ids = ([] if spec is None else
+                                           np.asarray(spec.drafts[row, :int(spec.num_drafts[row])]).tolist())
             changed.append(request)
         self.cache.release_step_pins()
         if self.speculative is not None and self.speculative.method == "ngram":

@@ -178,7 +178,8 @@ def test_buckets_past_the_batch_bound_cache_context_but_do_not_draft(reference):
     running requests, never speculating) compile without drafting or verification but still cache the drafter's
     context. Four requests, two of which finish early: greedy outputs equal the reference, and once two are left
     the drafts at each position equal those of a runner that drafted in every step, which needs the context that
-    the four-request steps cached (without that context 13 of 18 differ here)."""
+    the four-request steps cached (without that context 13 of 18 differ here). A request that drafted alone holds no
+    drafts after a four-request step (such steps return no speculation outputs)."""
     spec = {**GREEDY_DRAFTS, "min_draft_confidence": 0.0, "disable_by_batch_size": 3}
     bounded = ModelRunner(shared_lm(), dataclasses.replace(
         RUNNER_CONFIG, token_buckets=(64,), seq_buckets=(4, 8), speculative_config=spec), drafter=context_drafter())
@@ -209,3 +210,19 @@ def test_buckets_past_the_batch_bound_cache_context_but_do_not_draft(reference):
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         LLMEngine(bounded, config=EngineConfig(block_size=BLOCK, speculative_config={**spec,
                                                                                      "disable_by_batch_size": 5}))
+
+    # A request that drafted alone keeps no drafts once a step past the bound (which returns none) has run it.
+    e = LLMEngine(bounded, config=EngineConfig(block_size=BLOCK, speculative_config=spec))
+    e.add_request("f", PROMPTS["f"], greedy(30))
+    first = e.scheduler.requests["f"]
+    while not first.draft_token_ids:
+        e.step()
+    for name in ("j", "g", "b"):
+        e.add_request(name, PROMPTS[name], greedy(NEW))
+    while not (len(e.scheduler.running) == 4 and all(r.num_output_tokens for r in e.scheduler.running)):
+        e.step()
+    e.step()
+    assert not first.is_finished and all(not r.draft_token_ids for r in e.scheduler.running)
+    while e.has_unfinished_requests():
+        e.step()
+    assert_pools_free(e)
