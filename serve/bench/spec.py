@@ -19,8 +19,8 @@ the first one finishes) over that time, averaged over requests. A row reports th
 of both arms, the speedup of the medians, the speculative runs' acceptance (mean acceptance length, acceptance
 rate per draft position, verification steps) and the greedy check: every request's output ids compared token for
 token between the arms of each repeat, and per arm the wall ms of one engine step with its serial host ms (the
-device idles for it unless the step was launched ahead) and the fraction launched ahead. Speculation turns itself off at ``disable_by_batch_size`` running requests,
-as when serving, so the rows at and past it measure that rule.
+device idles for it unless the step was launched ahead) and the fraction launched ahead. Speculation turns itself
+off at ``disable_by_batch_size`` running requests, as when serving, so the rows at and past it measure that rule.
 
 The JSON (``--out``/bench_spec.json) is rewritten after every row; no run starts after ``--deadline-s``. The exit
 status is 1 when a greedy output of the ``dspark`` or ``draft_model`` case differs (on random weights mismatches
@@ -158,9 +158,7 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     requests = [engine.scheduler.requests[i] for i in ids]
-    outputs = {}
-
-    timings = []
+    outputs, timings = {}, []
 
     def step() -> None:
         outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
