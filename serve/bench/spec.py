@@ -182,6 +182,8 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
                 window_s=seconds, outputs=[outputs[i] for i in ids], verification_steps=verify_steps,
                 draft_rows=rows, accepted=accepted, steps=len(window),
                 host_serial_ms=1e3 * float(np.mean([t.update + t.schedule + t.launch for t in window])),
+                phase_ms={phase: 1e3 * float(np.mean([getattr(t, phase) for t in window]))
+                          for phase in ("wait", "update", "schedule", "launch", "process")},
                 ahead_fraction=float(np.mean([t.ahead for t in window])),
                 accepted_per_pos=[b - a for a, b in zip(spec_before[2], spec_after[2])], pools_free=engine.is_idle())
 
@@ -245,9 +247,12 @@ def summarize(batch: int, plain: list[dict], spec: list[dict], mismatches: list[
 
     def per_step(runs: list[dict]) -> dict:
         """Wall ms per engine step, its serial host ms (update + schedule + launch: the device idles unless the
-        step was launched ahead) and the fraction of steps launched ahead, medians over the runs."""
+        step was launched ahead), the mean ms of each phase of ``engine.StepTiming`` and the fraction of steps
+        launched ahead, medians over the runs."""
         return dict(wall_ms=statistics.median(1e3 * r["window_s"] / max(r["steps"], 1) for r in runs),
                     host_serial_ms=statistics.median(r["host_serial_ms"] for r in runs),
+                    phase_ms={phase: statistics.median(r["phase_ms"][phase] for r in runs)
+                              for phase in runs[0]["phase_ms"]},
                     ahead_fraction=statistics.median(r["ahead_fraction"] for r in runs))
 
     return dict(batch=batch, repeats=len(spec), plain_per_user_tokens_per_s=p, spec_per_user_tokens_per_s=s,

@@ -93,9 +93,16 @@ class EngineConfig:
 
     @property
     def num_speculative_slots(self) -> int:
-        """KDA slots reserved for verification: 1 + k per sequence of a step (0 without speculation)."""
+        """KDA slots reserved for verification: 1 + k per sequence that may speculate (fewer than
+        ``disable_by_batch_size``), twice over with a device drafter, whose verification steps are chained two in
+        flight (0 without speculation)."""
         spec = self.speculative_config
-        return 0 if spec is None else self.max_num_seqs * (1 + spec.num_speculative_tokens)
+        if spec is None:
+            return 0
+        seqs = self.max_num_seqs
+        if spec.disable_by_batch_size:
+            seqs = min(seqs, spec.disable_by_batch_size - 1)
+        return (2 if spec.on_device else 1) * seqs * (1 + spec.num_speculative_tokens)
 
     @property
     def max_pages(self) -> int:

@@ -9,10 +9,12 @@ One ``step()``:
 So the host work of 3 (and the return to the caller, and whatever the caller does before calling step()
 again, such as streaming to clients) overlaps the device's next step. With ``async_scheduling``, in steady
 decoding step n+1 is even scheduled and launched before step n's tokens reach the host (placeholder tokens fed
-from the device, ``Scheduler.schedule_ahead``), so phases 1-2 overlap the device too; otherwise (admission,
-prefill, speculative verification) the device idles for their duration (``StepTiming``). A request that a
-stop string ends in 3 is already part of the step in flight; the scheduler drops that step's token for it
-(and, since the step may still write its slot, does not keep its final state as a prefix-cache checkpoint).
+from the device, ``Scheduler.schedule_ahead``), so phases 1-2 overlap the device too, and so do verification
+steps with a device drafter (each chained to the one in flight, its inputs built on the device); otherwise
+(admission, prefill, the first verification step after them) the device idles for their duration
+(``StepTiming``). A request that a stop string ends in 3 is already part of the step in flight; the scheduler
+drops that step's token for it (and, since the step may still write its slot, does not keep its final state as a
+prefix-cache checkpoint).
 
 n > 1: the request becomes n scheduler requests (``request_id``, ``request_id#1``, ...) with seeds
 ``seed + i``; the later ones wait for the first one's prompt and resume from its prompt-end checkpoint.

@@ -66,7 +66,8 @@ from serve.engine.outputs import SampledTokens
 from serve.engine.outputs import SpecTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, sample
 from serve.engine.scheduler import ScheduledSequence, SchedulerOutput
-from serve.engine.speculation import SpecPlan, cache_context, draft_model_next, draft_next, verify_rows
+from serve.engine.speculation import (CARRY_TOKEN, SpecPlan, cache_context, carry_width, chain_verification,
+                                     draft_model_next, draft_next, next_carry, verify_rows)
 from serve.engine.step_batch import OPTIONAL_SAMPLING, PackedLayout, StepBatch, WordBuffer, join, split, unpack
 from sharding import MeshShape, make_mesh, param_specs
 from sharding.parallel import parallel_for
@@ -126,15 +127,16 @@ def _param_path(path: tuple) -> str:
 
 
 def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, greedy_only: bool,
-              finite_pages: bool, parallel, plan: SpecPlan | None, drafting: bool, params, cache, words, optional, prev_tokens,
-              router_totals, drafter_params, draft_probs):
+              finite_pages: bool, parallel, plan: SpecPlan | None, drafting: bool, params, cache, words, optional,
+              carry, router_totals, drafter_params, draft_probs):
     """The jitted step over a packed batch (``step_batch.pack`` words + the optional sampling arrays).
 
-    prev_tokens [S] int32: the previous step's sampled tokens; a fed token id ``-1 - r`` (a step scheduled
-    ahead) is replaced by ``prev_tokens[r]``. -> (SampledTokens of every row [N] with its ``finite`` flag: a row
-    whose logits hold a NaN or an infinity fails alone, whatever the other rows hold), tokens [S] (the sampled ids
-    padded with 0, the next step's ``prev_tokens``), new cache, ``router_totals [L_moe, E]`` int32 plus this
-    step's router load, draft_probs).
+    carry [S, W] int32: what the previous step left for this one (``speculation.next_carry``; column 0 its sampled
+    tokens). A fed token id ``-1 - r`` (a step scheduled ahead) is replaced by ``carry[r, 0]``; in a verification
+    step it makes the row a chained one (``speculation.chain_verification``). -> (SampledTokens of every row [N]
+    with its ``finite`` flag: a row whose logits hold a NaN or an infinity fails alone, whatever the other rows
+    hold), the next step's carry, new cache, ``router_totals [L_moe, E]`` int32 plus this step's router load,
+    draft_probs).
 
     ``parallel`` (static): the mesh's ``sharding.Parallel`` (None on one device).
 
@@ -161,9 +163,12 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     follows the target, and the step returns no speculation outputs (``spec`` None: nothing more to copy back), so
     that such steps cost about what they cost without speculation."""
     batch = join(unpack(words, layout), optional)
+    if batch.step.verify_len and plan is not None:
+        chained, sampling = chain_verification(batch.step, batch.sampling, batch.draft_limits, carry)
+        batch = dataclasses.replace(batch, step=chained, sampling=sampling)
     ids = batch.step.token_ids
-    pending = jnp.clip(-1 - ids, 0, prev_tokens.shape[0] - 1)
-    step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, prev_tokens[pending], ids))
+    pending = jnp.clip(-1 - ids, 0, carry.shape[0] - 1)
+    step = dataclasses.replace(batch.step, token_ids=jnp.where(ids < 0, carry[pending, CARRY_TOKEN], ids))
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
     taps = plan.taps if plan is not None and plan.has_drafter else ()
     aux = {}
@@ -205,8 +210,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
             draft_probs = draft_probs.at[:n].set(probs.astype(draft_probs.dtype))
     if spec is not None:
         sampled = dataclasses.replace(sampled, spec=spec)
-    tokens = jnp.zeros_like(prev_tokens).at[:n].set(sampled.token_ids)
-    return sampled, tokens, cache, router_totals, draft_probs
+    return sampled, next_carry(carry, step, sampled.token_ids, spec), cache, router_totals, draft_probs
 
 
 def _sample_rows(logits: jax.Array, batch: StepBatch, impl: str | None, num_top_logprobs: int,
@@ -375,7 +379,7 @@ class ModelRunner:
         self.last_key: tuple | None = None  # the bucket key of the last launched step (launch_step's ``key``)
         self.last_call_seconds = 0.0  # host time of the last step's executable call (dispatch + enqueue)
         self.launch_counts: collections.Counter = collections.Counter()  # step launches by (T, N, P, decode, greedy)
-        self._tokens = self._put(np.zeros(max(self.buckets.seqs), np.int32))
+        self._carry = self._initial_carry()
         cfg_m = model.config
         self._router_host = np.zeros((len(cfg_m.moe_layers), cfg_m.num_experts if cfg_m.moe_layers else 0), np.int32)
         self._router_totals = self._put(self._router_host)
@@ -475,6 +479,10 @@ class ModelRunner:
                         spec.draft_sample_method, drafter_graphdef=graphdef, drafter_treedef=treedef)
         return plan, params, 0
 
+    def _initial_carry(self) -> jax.Array:
+        """The carry before any step, int32 [S, W] (``speculation.next_carry``)."""
+        return self._put(np.zeros((max(self.buckets.seqs), carry_width(self.spec_plan)), np.int32))
+
     def _initial_draft_probs(self) -> jax.Array:
         plan = self.spec_plan
         if plan is None or not plan.has_drafter or plan.draft_sampling != "probabilistic":
@@ -566,11 +574,11 @@ class ModelRunner:
         pools, fresh token and router buffers, no recompilation) and True is returned: every request holding
         cache state must then be failed and the prefix cache emptied (``LLMEngine`` does both)."""
         try:
-            jax.block_until_ready((self.cache, self._tokens, self._router_totals, self._draft_probs))
+            jax.block_until_ready((self.cache, self._carry, self._router_totals, self._draft_probs))
             return False
         except Exception:  # noqa: BLE001 - whatever broke the arrays, they are replaced
             self.cache = self._make_cache()
-            self._tokens = self._put(np.zeros(max(self.buckets.seqs), np.int32))
+            self._carry = self._initial_carry()
             self._router_totals = self._put(self._router_host)
             self._draft_probs = self._initial_draft_probs()
             self._rows = {}
@@ -593,7 +601,7 @@ class ModelRunner:
                               donate_argnums=(1, 7),
                               out_shardings=(self.replicated, self.replicated, self.cache_shardings, self.replicated,
                                              self.replicated))
-            return step_fn.lower(self.params, self.cache, words, optional, self._tokens, self._router_totals,
+            return step_fn.lower(self.params, self.cache, words, optional, self._carry, self._router_totals,
                                  self.drafter_params, self._draft_probs)
 
         for shape in self.buckets.shapes():
@@ -663,7 +671,7 @@ class ModelRunner:
             try:
                 words = buffer.take()
                 sampled, _, self.cache, _, self._draft_probs = step(
-                    self.params, self.cache, self._put(words) if self.multihost else words, optional, self._tokens,
+                    self.params, self.cache, self._put(words) if self.multihost else words, optional, self._carry,
                     self._router_totals, self.drafter_params, self._draft_probs)
                 jax.block_until_ready((sampled, self.cache))
             except jax.errors.JaxRuntimeError as err:
@@ -784,10 +792,10 @@ class ModelRunner:
         executable = self._verify_steps[key[1:]] if key[0] == "verify" else self._steps[key]
         self.launch_counts[key if key[0] != "verify" else (key[1] * self.verify_len, *key[1:3], False, key[3],
                                                             self.verify_len)] += 1
-        self._last_launch = (executable, (words, optional, self._tokens, self._router_totals))
+        self._last_launch = (executable, (words, optional, self._carry, self._router_totals))
         self.last_key = key
         start = time.perf_counter()
-        sampled, self._tokens, self.cache, self._router_totals, self._draft_probs = executable(
+        sampled, self._carry, self.cache, self._router_totals, self._draft_probs = executable(
             self.params, self.cache, *self._last_launch[1], self.drafter_params, self._draft_probs)
         self.last_call_seconds = time.perf_counter() - start
         return sampled
@@ -883,15 +891,16 @@ class ModelRunner:
             step.context_lens[i] = seq.context_len
             step.block_tables[i, :len(seq.block_table)] = seq.block_table
             step.state_slots[i] = seq.state_slot
-            if seq.checkpoint_positions:
-                step.checkpoint_positions[i, :len(seq.checkpoint_positions)] = seq.checkpoint_positions
-                step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
+            step.checkpoint_positions[i, :len(seq.checkpoint_positions)] = seq.checkpoint_positions
+            step.checkpoint_slots[i, :len(seq.checkpoint_slots)] = seq.checkpoint_slots
             views.draft_rows[i] = self._rows.get(seq.request_id, 0)
+            views.draft_limits[i] = seq.draft_limit
         rows = [s.request if s.is_sampled else None for s in sequences]
         views.sampling.fill_rows(rows, self.vocab_size)
-        for i, seq in enumerate(sequences):
-            if seq.token_ids[0] < 0:  # scheduled ahead: the in-flight step's token is this request's next output
-                views.sampling.step_index[i] += 1
+        if not verify_len:  # (a chained verification row's index advances on the device, by what it emitted)
+            for i, seq in enumerate(sequences):
+                if seq.token_ids[0] < 0:  # scheduled ahead: the in-flight step's token is this request's next output
+                    views.sampling.step_index[i] += 1
         live = [r for r in rows if r is not None]
         with_logprobs = any(r.sampling_params.logprobs is not None for r in live)
         views.want_top_logprobs[...] = any(r.sampling_params.logprobs for r in live)
@@ -919,7 +928,7 @@ class ModelRunner:
                                                  always_penalties=True, always_bitmask=True)
         flag = np.asarray(False)
         return StepBatch(self._empty_step(t, n, p, decode_only, verify_len), sampling, flag, flag, flag, flag,
-                         np.zeros(n, np.int32))
+                         np.zeros(n, np.int32), np.zeros(n, np.int32))
 
     def _empty_step(self, t: int, n: int, p: int, decode_only: bool, verify_len: int = 0) -> StepInputs:
         """Bucket-shaped StepInputs of padding only (every sequence empty, block 0, slot 0). A verification bucket

@@ -21,7 +21,10 @@ step n+1 has run (its live state then covers every token, and becomes its final 
   budget per running request) and gets one fresh KDA slot per fed token for the state after it. Afterwards the
   slot after the last accepted token becomes the live slot and the others are freed, so a rejected draft never
   reaches the state the request continues from (and no state is copied). Drafts stop where max_tokens or
-  max_model_len would end the request anyway, and a request whose slots or pages do not fit verifies none.
+  max_model_len would end the request anyway, and a request whose slots or pages do not fit verifies none. With a
+  device drafter the next verification step is scheduled while one runs (``schedule_ahead``): its rows are
+  chained, built on the device from the running step's accepted count, drawn token and new drafts; the host
+  learns those counts when it applies the step, and a request that stopped in it drains through the next.
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ class ScheduledSequence:
                                      non-final prefill chunks are sampled by the runner and ignored)
     num_drafts            int         verification steps: token_ids = [last token] + num_drafts drafts, and
                                      checkpoint_positions / slots name the state after each fed token
+    draft_limit           int         a chained verification row (scheduled ahead: token_ids = [-1 - r] alone):
+                                     its last token, drafts, context, live slot and checkpoint positions come
+                                     from row r of the step before on the device
+                                     (``speculation.chain_verification``), which verifies no draft at or past
+                                     this length cap; context_len and state_slot are then the values before
+                                     that step, num_drafts is k and checkpoint_slots holds 1 + k slots
     """
 
     request: Request
@@ -94,10 +103,16 @@ class ScheduledSequence:
     checkpoint_slots: list[int]
     is_sampled: bool
     num_drafts: int = 0
+    draft_limit: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def scheduled_ahead(self) -> bool:
+        """Its first token is the one the step before samples on the device."""
+        return self.token_ids[0] < 0
 
     @property
     def num_tokens(self) -> int:
@@ -284,9 +299,12 @@ class Scheduler:
         that step samples on the device. None (call ``schedule()`` after ``update_from_output()``) unless every
         running request is sampled by the step in flight, none has penalties or a grammar constraint (their
         host state needs the token) or spends its thinking budget with that token, nothing waits, no checkpoint falls on the new position and the pages fit.
-        Requests whose in-flight token is certainly their last (max_tokens, max_model_len) are left out."""
-        if len(self._in_flight) != 1 or self.waiting or self._speculating():
+        Requests whose in-flight token is certainly their last (max_tokens, max_model_len) are left out.
+        Speculating: the next verification step, chained to the one in flight (``_schedule_verify_ahead``)."""
+        if len(self._in_flight) != 1 or self.waiting:
             return None
+        if self._speculating():
+            return self._schedule_verify_ahead()
         rows = {seq.request.request_id: i for i, seq in enumerate(self._in_flight[0].sequences) if seq.is_sampled}
         plan: list[tuple[Request, int, int]] = []
         for request in self.running:
@@ -342,7 +360,7 @@ class Scheduler:
                     changed.append(request)
                 continue
             if output.verify_len:
-                if self._apply_verified(seq, row, sampled):
+                if self._apply_verified(seq, row, sampled, queued):
                     changed.append(request)
                 continue
             if request.request_id in self._draining:
@@ -532,6 +550,59 @@ class Scheduler:
         return SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [], verify_len=tq,
                                **self._take_scrubs())
 
+    def _schedule_verify_ahead(self) -> SchedulerOutput | None:
+        """The verification step after the one in flight, before its result is known: every running request
+        feeds, on the device, that step's drawn token and the drafts drawn after it (a chained row, see
+        ``ScheduledSequence.draft_limit``), so the device never waits for the host between verification steps.
+        None (schedule after the result) unless the step in flight verifies every running request, the drafter
+        runs on the device, the batch still speculates, no request has a grammar, penalties or a thinking budget
+        (their host state needs the tokens), the token budget holds 1 + k rows per request, and each request gets
+        1 + k slots and pages for the most the two steps may write (its table staying within max_model_len)."""
+        prev, spec = self._in_flight[0], self.speculative
+        tq = 1 + spec.num_speculative_tokens
+        running = self.running
+        if (not prev.verify_len or not spec.on_device or not spec.speculates(len(running))
+                or len(running) * tq > self.config.max_num_batched_tokens):
+            return None
+        rows = {seq.request.request_id: i for i, seq in enumerate(prev.sequences)}
+        if any(rows.get(r.request_id) is None or r.constraint is not None or r.sampling_params.uses_penalties
+               or r.think_tokens_left is not None for r in running):
+            return None
+        # the step in flight keeps at most tq tokens; this one writes tq rows and the drafter's block after them
+        reach = 2 * tq + self.draft_lookahead + 1
+        pages = self.cache.pages
+        need = [pages.num_new_pages(r, reach) for r in running]
+        if (any(r.num_computed_tokens + reach > self.config.max_model_len for r in running)
+                or not pages.can_allocate(sum(need)) or not self.cache.slots.can_allocate(len(running) * tq)):
+            return None
+        limits = [self._draft_limit(r) for r in running]
+        if not any(limit - (r.num_computed_tokens + 1) - 2 > 0 for r, limit in zip(running, limits)):
+            return None  # no request keeps room for a draft even if the step in flight emits one token
+        sequences = []
+        for request, limit in zip(running, limits):
+            pages.allocate(request, reach)
+            slots = [self.cache.slots.allocate_checkpoint() for _ in range(tq)]
+            sequences.append(ScheduledSequence(
+                request=request, token_ids=[PENDING_TOKEN - rows[request.request_id]],
+                context_len=request.num_computed_tokens, block_table=request.block_table,
+                state_slot=request.state_slot, checkpoint_positions=[], checkpoint_slots=slots, is_sampled=True,
+                num_drafts=tq - 1, draft_limit=limit))
+        block_copies, slot_copies = self.cache.take_copies()
+        freed_blocks, freed_slots = self.cache.take_freed()
+        out = SchedulerOutput(sequences, block_copies, slot_copies, freed_blocks, freed_slots, [], verify_len=tq,
+                              **self._take_scrubs())
+        self._in_flight.append(out)
+        return out
+
+    def _draft_limit(self, request: Request) -> int:
+        """The length cap drafts stop before (``ScheduledSequence.draft_limit``): min(max_model_len, prompt +
+        max_tokens), 0 for a request that does not speculate (the counterpart of ``_num_drafts``'s room)."""
+        params = request.sampling_params
+        if not params.can_speculate:
+            return 0
+        limit = self.config.max_model_len
+        return limit if params.max_tokens is None else min(limit, request.num_prompt_tokens + params.max_tokens)
+
     def _release_slots(self, plan: list[tuple[Request, int, list[int]]]) -> None:
         for _, _, slots in plan:
             self.cache.slots.free_checkpoints(slots)
@@ -544,21 +615,28 @@ class Scheduler:
                 and self.cache.pages.can_allocate(self.cache.pages.num_new_pages(request, n + self.draft_lookahead))):
             self.cache.pages.allocate(request, n + self.draft_lookahead)
 
-    def _apply_verified(self, seq: ScheduledSequence, row: int, sampled: SampledTokens) -> bool:
+    def _apply_verified(self, seq: ScheduledSequence, row: int, sampled: SampledTokens, queued: set[str]) -> bool:
         """Append a verification row's accepted drafts and drawn token (stopping at a stop condition), keep the
-        KDA state after the last fed token that stays computed and free the other slots. True if the request
-        got tokens."""
+        KDA state after the last fed token that stays computed and free the other slots. A request that stops
+        while ``queued`` in the step after drains. True if the request got tokens."""
         request = seq.request
         slots = seq.checkpoint_slots
+        if request.request_id in self._draining:  # it stopped in the step before: its live state is complete
+            self.cache.slots.free_checkpoints(slots)
+            self._drain_done(request, retain_state=True)
+            return False
         if request.status != RequestStatus.RUNNING:
             self.cache.slots.free_checkpoints(slots)
             return False
+        # a chained row verified what the device fed it: the drafts the last step left, as many as room allows
+        num_drafts = self._num_drafts(request) if seq.scheduled_ahead else seq.num_drafts
+        start = request.num_computed_tokens  # (a chained row's context_len is the one before the step before)
         accepted = int(sampled.spec.num_accepted[row])
         emitted = np.asarray(sampled.spec.emitted[row, :accepted + 1]).tolist()
         stats = self.spec_stats
-        if seq.num_drafts:
+        if num_drafts:
             stats.num_drafts += 1
-            stats.num_draft_tokens += seq.num_drafts
+            stats.num_draft_tokens += num_drafts
             stats.num_accepted_tokens += accepted
             for i in range(accepted):
                 stats.accepted_per_pos[i] += 1
@@ -582,8 +660,8 @@ class Scheduler:
         request.state_slot = slots[kept - 1]
         request.num_computed_tokens += kept
         interval = self.cache.config.retention_interval
-        checkpoints = [(seq.context_len + 1 + t, slots[t]) for t in range(kept - 1)
-                       if interval and (seq.context_len + 1 + t) % interval == 0]
+        checkpoints = [(start + 1 + t, slots[t]) for t in range(kept - 1)
+                       if interval and (start + 1 + t) % interval == 0]
         held = {slot for _, slot in checkpoints}
         self.cache.slots.free_checkpoints([s for t, s in enumerate(slots) if t >= kept or
                                            (t < kept - 1 and s not in held)])
@@ -591,7 +669,10 @@ class Scheduler:
         self.cache.on_step_done(request, checkpoints)
         request.draft_token_ids = []
         if stopped:
-            self._retire(request, retain_state=True)
+            if request.request_id in queued:
+                self._drain(request)
+            else:
+                self._retire(request, retain_state=True)
         elif sampled.spec is not None and self.speculative.on_device and not forced:
             request.draft_token_ids = np.asarray(sampled.spec.drafts[row, :int(sampled.spec.num_drafts[row])]).tolist()
         return True

@@ -8,6 +8,12 @@ context latents of the rows it fed, and each sampled sequence gets the next bloc
 A draft model: it runs over the step's own inputs on its own pools (``cache.draft``: the same block and slot ids,
 so checkpoints, copies and verification's per-position states cover it exactly as the target's), then drafts k
 tokens one by one after the new token from a copy of its state after the accepted prefix, which is discarded.
+
+Chained verification: every step leaves a carry row per sequence on the device (``next_carry``: its new token,
+its context and live slot after the tokens that stay, the output tokens it gained, the device drafter's drafts). A
+verification step scheduled while the one before still runs feeds ``-1 - r`` as a row's first token, and
+``chain_verification`` builds that row from carry row r, exactly as the host would have after reading it: so
+verification steps are launched ahead like decode steps, and the host never waits between them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ from serve.engine.outputs import SampledTokens, SpecTokens
 from serve.engine.sampler import SamplingTensors, apply_bitmask, apply_penalties, filtered_probs
 
 _DRAFT_SAMPLE = 3
+
+# carry columns (``next_carry``): token, context after the step, live slot after it, output tokens gained, drafts
+CARRY_TOKEN, CARRY_CONTEXT, CARRY_SLOT, CARRY_EMITTED, CARRY_NUM_DRAFTS, CARRY_DRAFTS = range(6)
+
+
+def carry_width(plan: "SpecPlan | None") -> int:
+    """Columns of the carry: the token alone without speculation, else the chaining columns and k drafts."""
+    return 1 if plan is None else CARRY_DRAFTS + plan.num_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,3 +207,56 @@ def draft_model_next(plan: SpecPlan, draft_params: list, cache: HybridCache, ste
         drafts.append(tokens)
     pools = dataclasses.replace(committed, mla=scratch.mla, mla_scales=scratch.mla_scales)
     return dataclasses.replace(cache, draft=pools), jnp.stack(drafts, 1)
+
+
+def chain_verification(step: StepInputs, sampling: SamplingTensors, draft_limits: jax.Array, carry: jax.Array
+                       ) -> tuple[StepInputs, SamplingTensors]:
+    """Fill a verification step's chained rows from the carry of the step before (see the module docstring).
+
+    Row n is chained when its first fed token is ``-1 - r``: it feeds carry row r's token
+    and then m drafts, m = min(the drafter's count, k, draft_limits[n] - context - 2) clipped at 0 (the drafts that
+    max_tokens and max_model_len leave room for, as the scheduler counts them), from carry r's context and live
+    slot, with checkpoint positions for those 1 + m rows (its checkpoint slots are the host's, 1 + k of them), and
+    its sampling step index advanced by the tokens that step emitted. Other rows are unchanged. carry [S, W]."""
+    n, tq = step.num_seqs, step.verify_len
+    k = tq - 1
+    fed = step.token_ids.reshape(n, tq)
+    chained = fed[:, 0] < 0
+    prev = carry[jnp.clip(-1 - fed[:, 0], 0, carry.shape[0] - 1)]
+    context = jnp.where(chained, prev[:, CARRY_CONTEXT], step.context_lens)
+    room = draft_limits - context - 2
+    m = jnp.clip(jnp.minimum(jnp.minimum(prev[:, CARRY_NUM_DRAFTS], k), room), 0, k)
+    t = jnp.arange(tq)[None, :]
+    kept = t <= m[:, None]
+    chain_fed = jnp.where(kept, jnp.concatenate([prev[:, CARRY_TOKEN:CARRY_TOKEN + 1],
+                                                 prev[:, CARRY_DRAFTS:CARRY_DRAFTS + k]], axis=1), 0)
+    positions = jnp.where(kept, context[:, None] + 1 + t, -1)
+    step = dataclasses.replace(
+        step, token_ids=jnp.where(chained[:, None], chain_fed, fed).reshape(n * tq), context_lens=context,
+        state_slots=jnp.where(chained, prev[:, CARRY_SLOT], step.state_slots),
+        checkpoint_positions=jnp.where(chained[:, None], positions, step.checkpoint_positions))
+    step_index = sampling.step_index + jnp.where(chained, prev[:, CARRY_EMITTED], 0)
+    return step, dataclasses.replace(sampling, step_index=step_index)
+
+
+def next_carry(carry: jax.Array, step: StepInputs, token_ids: jax.Array, spec: SpecTokens | None) -> jax.Array:
+    """The carry the next step reads (``chain_verification``): row n of this step's sequences holds its new token,
+    its context after the fed tokens that stay (all of a plain step's; the last token and the accepted drafts of a
+    verification row), its live slot then (a verification row's checkpoint slot after its last accepted token), the
+    output tokens it gained and the drafts it drew for the next step (zeros without drafting); other rows are 0."""
+    n = step.num_seqs
+    if carry.shape[1] == 1:
+        return jnp.zeros_like(carry).at[:n, CARRY_TOKEN].set(token_ids)
+    if step.verify_len:
+        accepted = spec.num_accepted
+        context = step.context_lens + accepted + 1
+        slot = step.checkpoint_slots[jnp.arange(n), accepted]
+        emitted = accepted + 1
+    else:
+        context = step.context_lens + step.cu_seqlens[1:] - step.cu_seqlens[:-1]
+        slot, emitted = step.state_slots, jnp.ones(n, jnp.int32)
+    k = carry.shape[1] - CARRY_DRAFTS
+    drafts = jnp.zeros((n, k), jnp.int32) if spec is None else spec.drafts
+    num_drafts = jnp.zeros(n, jnp.int32) if spec is None else spec.num_drafts
+    row = jnp.concatenate([jnp.stack([token_ids, context, slot, emitted, num_drafts], axis=1), drafts], axis=1)
+    return jnp.zeros_like(carry).at[:n].set(row.astype(carry.dtype))

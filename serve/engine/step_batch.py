@@ -25,7 +25,7 @@ OPTIONAL_SAMPLING = ("penalty_token_ids", "penalty_output_counts", "penalty_in_p
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["step", "sampling", "use_sampling", "use_bitmask", "use_penalties", "want_top_logprobs",
-                      "draft_rows"],
+                      "draft_rows", "draft_limits"],
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -36,7 +36,9 @@ class StepBatch:
     use_sampling, use_bitmask, use_penalties, want_top_logprobs   [] bool: whether any row needs that stage
                 (use_sampling: a row with temperature > 0; otherwise the step skips the sampler's sort)
     draft_rows  [N] int32: each sequence's row in the step before (speculative decoding with sampled drafts
-                reads the drafter's distributions there)
+                reads the drafter's distributions there; a chained verification row reads its inputs there)
+    draft_limits [N] int32: chained verification rows (``speculation.chain_verification``): the request's length
+                cap, min(max_model_len, prompt + max_tokens); no draft is verified at or past cap - 1 (0: none)
     """
 
     step: StepInputs
@@ -46,6 +48,7 @@ class StepBatch:
     use_penalties: np.ndarray
     want_top_logprobs: np.ndarray
     draft_rows: np.ndarray
+    draft_limits: np.ndarray
 
 
 def split(batch: StepBatch) -> tuple[StepBatch, tuple]:

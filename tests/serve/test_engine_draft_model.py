@@ -38,8 +38,10 @@ def twin() -> KimiModel:
 
 @functools.cache
 def draft_runner() -> ModelRunner:
-    return ModelRunner(shared_lm(), dataclasses.replace(RUNNER_CONFIG, token_buckets=(64,), speculative_config=SPEC),
-                       drafter=twin())
+    # 2 MiB: the slots of two chained verification steps (2 x 8 x (1 + k), target and draft states) leave pages
+    # enough for turn 1's prefix to stay cached through the multi-turn test
+    return ModelRunner(shared_lm(), dataclasses.replace(RUNNER_CONFIG, token_buckets=(64,), speculative_config=SPEC,
+                                                        memory_budget_bytes=2 << 20), drafter=twin())
 
 
 @pytest.fixture(scope="module")

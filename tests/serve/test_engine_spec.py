@@ -221,9 +221,9 @@ def test_verification_steps_keep_only_the_accepted_state(reference, monkeypatch)
     seen = []
     real = e.scheduler._apply_verified
 
-    def spy(seq, row, sampled):
+    def spy(seq, row, sampled, queued):
         before = set(seq.checkpoint_slots)
-        ok = real(seq, row, sampled)
+        ok = real(seq, row, sampled, queued)
         request = seq.request
         if not request.is_finished:
             kept = int(sampled.spec.num_accepted[row]) + 1
