@@ -751,7 +751,9 @@ class ModelRunner:
         injector = self.fault_injector
         if injector is not None:
             ids = [seq.request_id for seq in out.sequences]
-            readers = [seq for seq in out.sequences if seq.context_len > 0]
+            # (a chained verification row reads the live slot the step before leaves on the device, not state_slot)
+            readers = [seq for seq in out.sequences if seq.context_len > 0
+                       and not (out.verify_len and seq.scheduled_ahead)]
             if self._poison is not None and readers:
                 chosen = set(injector.nan_targets(step_number, [seq.request_id for seq in readers]))
                 self._launch_poison([], [seq.state_slot for seq in readers if seq.request_id in chosen])

@@ -298,7 +298,8 @@ class Scheduler:
         """With exactly one step in flight: the next decode step of every running request, fed with the tokens
         that step samples on the device. None (call ``schedule()`` after ``update_from_output()``) unless every
         running request is sampled by the step in flight, none has penalties or a grammar constraint (their
-        host state needs the token) or spends its thinking budget with that token, nothing waits, no checkpoint falls on the new position and the pages fit.
+        host state needs the token) or spends its thinking budget with that token, nothing waits, no checkpoint
+        falls on the new position and the pages fit.
         Requests whose in-flight token is certainly their last (max_tokens, max_model_len) are left out.
         Speculating: the next verification step, chained to the one in flight (``_schedule_verify_ahead``)."""
         if len(self._in_flight) != 1 or self.waiting:

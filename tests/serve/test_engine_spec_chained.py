@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 from serve.engine import EngineConfig, SamplingParams
 from serve.engine.engine import LLMEngine
+from serve.engine.faults import FaultInjector
 from tests.serve import test_engine_draft_model as draft_model
 from tests.serve import test_engine_dspark as dspark
 from tests.serve.test_engine_runner import BLOCK, PROMPTS, assert_pools_free, greedy, run, shared_lm
@@ -98,3 +101,38 @@ def test_an_abort_while_a_chained_step_runs():
     assert launched > 0
     assert outputs["a"] == reference("a") and outputs["h"] == reference("h")
     assert outputs["d"] == reference("d")[:len(outputs["d"])] and len(outputs["d"]) < draft_model.NEW
+
+
+@pytest.mark.parametrize("fault", ["launch", "result"])
+def test_a_failed_step_in_a_chain_fails_its_requests_and_the_engine_goes_on(fault):
+    """A chained step whose launch raises fails its requests; a step whose result read raises while a chained step
+    is queued after it fails both steps' requests. Either way slots and pages come back, and requests added
+    afterwards decode the reference tokens."""
+    e = LLMEngine(draft_model.draft_runner(),
+                  config=EngineConfig(block_size=BLOCK, speculative_config=draft_model.SPEC))
+    injector = FaultInjector()
+    e.runner.fault_injector = injector
+    queued = []
+    execute = e.runner.execute
+
+    def arm(out):  # the first chained step: fail it, or the step before it
+        chained = bool(out.verify_len) and any(seq.scheduled_ahead for seq in out.sequences)
+        if chained and not queued:
+            queued.append(e.runner.num_launches)
+            if fault == "launch":
+                injector.launch = {e.runner.num_launches}
+            else:
+                injector.result = {e.runner.num_launches - 1}
+        return execute(out)
+
+    e.runner.execute = arm
+    try:
+        for name in ("a", "d"):
+            e.add_request(name, PROMPTS[name], greedy(draft_model.NEW))
+        failed = run(e)
+        assert queued and injector.fired and {o.outputs[0].finish_reason for o in failed.values()} == {"error"}
+        e.add_request("h", PROMPTS["h"], greedy(draft_model.NEW))
+        assert run(e)["h"].outputs[0].token_ids == reference("h")
+    finally:
+        e.runner.fault_injector = None
+    assert_pools_free(e)
