@@ -901,7 +901,7 @@ class ModelRunner:
         views.sampling.fill_rows(rows, self.vocab_size)
         if not verify_len:  # (a chained verification row's index advances on the device, by what it emitted)
             for i, seq in enumerate(sequences):
-                if seq.token_ids[0] < 0:  # scheduled ahead: the in-flight step's token is this request's next output
+                if seq.scheduled_ahead:  # the in-flight step's token is this request's next output
                     views.sampling.step_index[i] += 1
         live = [r for r in rows if r is not None]
         with_logprobs = any(r.sampling_params.logprobs is not None for r in live)

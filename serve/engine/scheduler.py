@@ -502,13 +502,9 @@ class Scheduler:
 
     def _num_drafts(self, request: Request) -> int:
         """Drafts worth verifying for ``request`` now: at most k, none past what max_tokens or max_model_len
-        still allow after the token the step draws itself."""
-        if not request.sampling_params.can_speculate:
-            return 0
-        room = self.config.max_model_len - request.num_tokens - 1
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
+        still allow after the token the step draws itself (the rule ``chain_verification`` applies on the device
+        to ``_draft_limit``)."""
+        room = self._draft_limit(request) - request.num_tokens - 1
         return max(0, min(len(request.draft_token_ids), self.speculative.num_speculative_tokens, room))
 
     def _schedule_verify(self, decoding: list[Request]) -> SchedulerOutput | None:
@@ -577,8 +573,8 @@ class Scheduler:
                 or not pages.can_allocate(sum(need)) or not self.cache.slots.can_allocate(len(running) * tq)):
             return None
         limits = [self._draft_limit(r) for r in running]
-        if not any(limit - (r.num_computed_tokens + 1) - 2 > 0 for r, limit in zip(running, limits)):
-            return None  # no request keeps room for a draft even if the step in flight emits one token
+        if not any(limit - (r.num_tokens + 1) - 1 > 0 for r, limit in zip(running, limits)):
+            return None  # no request keeps room for a draft even if the step in flight emits only one token
         sequences = []
         for request, limit in zip(running, limits):
             pages.allocate(request, reach)
@@ -597,7 +593,7 @@ class Scheduler:
 
     def _draft_limit(self, request: Request) -> int:
         """The length cap drafts stop before (``ScheduledSequence.draft_limit``): min(max_model_len, prompt +
-        max_tokens), 0 for a request that does not speculate (the counterpart of ``_num_drafts``'s room)."""
+        max_tokens), 0 for a request that does not speculate."""
         params = request.sampling_params
         if not params.can_speculate:
             return 0
