@@ -63,6 +63,9 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
                   prefix_cache_retention_interval=args.prefix_cache_retention_interval,
                   kv_cache_dtype=args.kv_cache_dtype, mxfp4_byte_order=args.mxfp4_byte_order,
                   speculative_config=getattr(args, "speculative_config", None))
+    cache = compile_cache_folder()
+    if cache:
+        fields["executable_cache_dir"] = os.path.join(cache, "executables")
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -116,6 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
           f"{runner.mesh.size} device(s) x {replicas} replica(s), {jax.process_count()} host(s); "
           f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s; "
           f"{runner.plan.describe()}", file=sys.stderr, flush=True)
+    if runner.executable_cache is not None:
+        print(f"[kimi-jax] {runner.executable_cache.summary()}", file=sys.stderr, flush=True)
     try:
         if connector is None:
             run_server(args, AsyncEngine(engine, **admission_args(args)))
@@ -163,12 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _enable_compile_cache() -> None:
-    """Persist XLA executables across runs (a restart skips the warm-up compiles).
-
-    ``KIMI_JAX_COMPILE_CACHE``: the cache folder (default ``~/.cache/kimi_jax/jit``); empty or "off" disables."""
+def compile_cache_folder() -> str | None:
+    """``KIMI_JAX_COMPILE_CACHE`` (default ``~/.cache/kimi_jax/jit``); None when it is empty or "off"."""
     folder = os.environ.get("KIMI_JAX_COMPILE_CACHE", os.path.expanduser("~/.cache/kimi_jax/jit"))
-    if folder and folder != "off":
+    return folder if folder and folder != "off" else None
+
+
+def _enable_compile_cache() -> None:
+    """Persist XLA executables across runs: JAX's compilation cache in the folder, and the engine's step executables
+    in its ``executables`` subfolder (``serve.engine.executable_cache``: a restart skips tracing and lowering too)."""
+    folder = compile_cache_folder()
+    if folder:
         import jax
 
         jax.config.update("jax_compilation_cache_dir", folder)

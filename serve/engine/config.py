@@ -50,6 +50,9 @@ class EngineConfig:
                                decoding (tokens fed from the device; ``Scheduler.schedule_ahead``)
     test_mode                  fill freed pages and slots with NaN so that a stale read shows up
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
+    executable_cache_dir       keep compiled step executables here and load them at the next start, skipping
+                               tracing, lowering and compiling (``executable_cache``; None = off; ``kimi-jax serve``:
+                               ``$KIMI_JAX_COMPILE_CACHE/executables``)
     speculative_config         speculative decoding (``SpeculativeConfig``, its dict or its JSON; None = off):
                                verification buckets are compiled beside the others, and the KDA pool gets
                                1 + k spare slots per sequence for the states after each verified token; a
@@ -82,6 +85,7 @@ class EngineConfig:
     async_scheduling: bool = True
     test_mode: bool = False
     compile_threads: int | None = None
+    executable_cache_dir: str | None = None
     speculative_config: SpeculativeConfig | None = None
     encoder_batch_size: int = 4
     media_pool_rows: int | None = None

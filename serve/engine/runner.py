@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import os
 import time
+import warnings
 from functools import partial
 from typing import Callable, Sequence
 
@@ -60,6 +61,7 @@ from pallas_kernels.impl import resolve_impl
 from serve.engine import multihost
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.encoder import VisionEncoder
+from serve.engine.executable_cache import ExecutableCache, environment_parts, fingerprint
 from serve.engine.memory_plan import CacheDims, PoolPlan, plan_pools
 from serve.engine.memory_report import GIB, check_step_memory, large_buffers, step_temp_bytes
 from serve.engine.outputs import SampledTokens
@@ -391,6 +393,8 @@ class ModelRunner:
         self.connector = None  # a KVConnector (kv_connector.attach_connector) moving entries to and from the host
         self.warm_up_seconds = 0.0
         self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
+        self.executable_cache: ExecutableCache | None = None  # config.executable_cache_dir's, after warm_up
+        self._executable_cache_off = False  # set when a loaded executable could not run
         if warm_up:
             self.warm_up(progress)
 
@@ -586,11 +590,12 @@ class ModelRunner:
 
     # ---- compilation ----
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compile the step of every bucket, the copy executable and (test mode) the poison executable;
-        ``progress(done, total)`` is called as executables finish compiling."""
+        """Compile the step of every bucket, the copy executable and (test mode) the poison executable, or load
+        them from ``config.executable_cache_dir`` (``executable_cache``); ``progress(done, total)`` is called as
+        executables become ready."""
         start = time.perf_counter()
         cfg = self.config
-        lowered = {}
+        planned: dict = {}  # key -> a thunk lowering that executable
 
         def lower(buffer: WordBuffer, optional: tuple, greedy_only: bool, num_seqs: int):
             optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
@@ -604,51 +609,100 @@ class ModelRunner:
             return step_fn.lower(self.params, self.cache, words, optional, self._carry, self._router_totals,
                                  self.drafter_params, self._draft_probs)
 
+        layouts = {}
         for shape in self.buckets.shapes():
             small, optional = split(self._neutral_batch(*shape))
-            self._buffers[shape] = WordBuffer(small)
+            self._buffers[shape] = buffer = WordBuffer(small)
             for greedy_only in (False, True) if shape[3] else (False,):  # decode buckets get a greedy variant
-                lowered[(*shape, greedy_only)] = lower(self._buffers[shape], optional, greedy_only, shape[1])
+                planned[(*shape, greedy_only)] = partial(lower, buffer, optional, greedy_only, shape[1])
+                layouts[(*shape, greedy_only)] = buffer.layout
         for seqs, pages in self._verify_shapes():
             small, optional = split(self._neutral_batch(seqs * self.verify_len, seqs, pages, False, self.verify_len))
-            self._verify_buffers[(seqs, pages)] = WordBuffer(small)
+            self._verify_buffers[(seqs, pages)] = buffer = WordBuffer(small)
             for greedy_only in (False, True):
-                lowered[("verify", seqs, pages, greedy_only)] = lower(self._verify_buffers[(seqs, pages)], optional,
-                                                                      greedy_only, seqs)
+                planned[("verify", seqs, pages, greedy_only)] = partial(lower, buffer, optional, greedy_only, seqs)
+                layouts[("verify", seqs, pages, greedy_only)] = buffer.layout
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
         pinned = dict(donate_argnums=(0,), out_shardings=self.cache_shardings)
-        lowered["copy"] = jax.jit(_copy_entries, **pinned).lower(self.cache, pairs, pairs)
+        planned["copy"] = lambda: jax.jit(_copy_entries, **pinned).lower(self.cache, pairs, pairs)
         if cfg.test_mode:
-            lowered["poison"] = jax.jit(_poison_entries, **pinned).lower(self.cache, ids, ids)
+            planned["poison"] = lambda: jax.jit(_poison_entries, **pinned).lower(self.cache, ids, ids)
         if self.encoder is not None:
-            lowered.update(self.encoder.lower(self.cache, self.cache_shardings))
-        threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
+            encoder_lowered = self.encoder.lower(self.cache, self.cache_shardings)
+            planned.update({key: (lambda lo=lo: lo) for key, lo in encoder_lowered.items()})
+        self.executable_cache = store = self._open_executable_cache()
         report = progress or (lambda done, total: None)
-        report(0, len(lowered))
+        report(0, len(planned))
+        compiled, lowered = {}, {}
+        for key, make in planned.items():  # cache hits skip tracing and lowering; misses are lowered in turn
+            hit = store.load((key, repr(layouts.get(key)))) if store is not None else None
+            if hit is not None:
+                compiled[key] = hit
+                report(len(compiled), len(planned))
+            else:
+                lowered[key] = make()
+        threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             options = GPU_COMPILER_OPTIONS if self.on_gpu else None
             futures = {pool.submit(lo.compile, options): key for key, lo in lowered.items()}
-            compiled = {}
             for future in concurrent.futures.as_completed(futures):
-                compiled[futures[future]] = future.result()
-                report(len(compiled), len(lowered))
+                key = futures[future]
+                compiled[key] = future.result()
+                if store is not None:
+                    store.store((key, repr(layouts.get(key))), compiled[key])
+                report(len(compiled), len(planned))
+        compiled = {key: compiled[key] for key in planned}  # in the order they were planned
         self._copy = compiled.pop("copy")
         if self.encoder is not None:
             self.encoder.set_compiled(compiled)
         self._poison = compiled.pop("poison", None)
-        self._verify_steps = {key[1:]: compiled.pop(key) for key in lowered if key[0] == "verify"}
-        # in the order they were lowered, not finished: every process of a multi-host replica runs them in turn
-        self._steps = {key: compiled[key] for key in lowered if key in compiled}
+        self._verify_steps = {key[1:]: compiled.pop(key) for key in planned if key[0] == "verify"}
+        # in the order they were planned, not finished: every process of a multi-host replica runs them in turn
+        self._steps = {key: compiled[key] for key in planned if key in compiled}
         self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
         self.step_temp_bytes.update({("verify", *key): step_temp_bytes(c) for key, c in self._verify_steps.items()})
         if self.on_gpu:
             self._check_step_memory()
-        self._run_each_step_once()
+        try:
+            self._run_each_step_once()
+        except RuntimeError as err:
+            if store is None or not store.hits:
+                raise
+            # an executable read back from the cache cannot run here: forget the folder and compile afresh
+            warnings.warn(f"{store.summary()}: a loaded executable failed ({err}); discarding the cache and "
+                          f"compiling every step", RuntimeWarning, stacklevel=2)
+            store.discard()
+            self._executable_cache_off = True
+            self.recover()
+            return self.warm_up(progress)
         if self.encoder is not None:
             self.cache = self.encoder.run_once(self.cache)
         self.warm_up_seconds = time.perf_counter() - start
         self.compiles_at_warm_up = backend_compile_count()
+
+    def _open_executable_cache(self) -> ExecutableCache | None:
+        folder = self.config.executable_cache_dir
+        return None if not folder or self._executable_cache_off else ExecutableCache(folder, self._executable_fingerprint())
+
+    def _executable_fingerprint(self) -> str:
+        """What shapes this runner's executables besides their bucket (see ``executable_cache``)."""
+        def avals(tree) -> list:
+            return [(jax.tree_util.keystr(path), tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None)))
+                    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+        program_config = dataclasses.replace(self.config, seed=0, async_scheduling=True, compile_threads=None,
+                                             executable_cache_dir=None)
+        encoder = None if self.encoder is None else (avals(self.encoder._params), self.encoder.buckets,
+                                                     repr(self.encoder.config), self.encoder.batch,
+                                                     self.encoder._attention, repr(self.encoder._graphdef))
+        return fingerprint(dict(
+            graph=repr(self._graphdef), params=avals(self.params), cache=avals(self.cache), carry=avals(self._carry),
+            router=avals(self._router_totals), drafter=avals(self.drafter_params),
+            draft_probs=avals(self._draft_probs), config=repr(program_config), impl=resolve_impl(self.impl),
+            spec_plan=repr(self.spec_plan), parallel=repr(self.parallel), encoder=encoder,
+            mesh=(dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat]),
+            environment=environment_parts(list(self.mesh.devices.flat))))
 
     @property
     def compiles_after_warm_up(self) -> int:
