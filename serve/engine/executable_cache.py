@@ -26,6 +26,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -73,6 +74,7 @@ class ExecutableCache:
     def __init__(self, folder: str | os.PathLike, fingerprint_hex: str):
         self.folder = Path(folder) / fingerprint_hex[:40]
         self.hits = self.misses = self.stored = self.unserializable = 0
+        self._lock = threading.Lock()  # store() runs on the compile threads
 
     def _path(self, key) -> Path:
         return self.folder / (hashlib.sha256(repr(key).encode()).hexdigest()[:40] + _SUFFIX)
@@ -101,7 +103,8 @@ class ExecutableCache:
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception:  # noqa: BLE001 - e.g. the CPU client's "`LessThan` is not serializable"
-            self.unserializable += 1
+            with self._lock:
+                self.unserializable += 1
             return False
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
@@ -112,7 +115,8 @@ class ExecutableCache:
         except OSError:
             Path(tmp).unlink(missing_ok=True)
             return False
-        self.stored += 1
+        with self._lock:
+            self.stored += 1
         return True
 
     def discard(self) -> None:

@@ -634,24 +634,37 @@ class ModelRunner:
         self.executable_cache = store = self._open_executable_cache()
         report = progress or (lambda done, total: None)
         report(0, len(planned))
-        compiled, lowered = {}, {}
-        for key, make in planned.items():  # cache hits skip tracing and lowering; misses are lowered in turn
-            hit = store.load((key, repr(layouts.get(key)))) if store is not None else None
-            if hit is not None:
-                compiled[key] = hit
-                report(len(compiled), len(planned))
-            else:
-                lowered[key] = make()
         threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            options = GPU_COMPILER_OPTIONS if self.on_gpu else None
-            futures = {pool.submit(lo.compile, options): key for key, lo in lowered.items()}
-            for future in concurrent.futures.as_completed(futures):
-                key = futures[future]
-                compiled[key] = future.result()
-                if store is not None:
-                    store.store((key, repr(layouts.get(key))), compiled[key])
+        options = GPU_COMPILER_OPTIONS if self.on_gpu else None
+        compiled, pending = {}, {}
+
+        def build(key, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+            executable = lowered.compile(options)
+            if store is not None:  # as each finishes: a start stopped half-way leaves its work for the next one
+                store.store((key, repr(layouts.get(key))), executable)
+            return executable
+
+        def collect(block: bool) -> None:
+            done = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)[0] if block \
+                else [f for f in pending if f.done()]
+            for future in done:
+                compiled[pending.pop(future)] = future.result()
                 report(len(compiled), len(planned))
+
+        # cache hits skip tracing and lowering; misses are lowered in turn on this thread while the compiles of
+        # the ones before run on the pool (XLA compiles outside the GIL), so a cold start takes about the longer
+        # of the two, not their sum
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for key, make in planned.items():
+                hit = store.load((key, repr(layouts.get(key)))) if store is not None else None
+                if hit is not None:
+                    compiled[key] = hit
+                    report(len(compiled), len(planned))
+                else:
+                    pending[pool.submit(build, key, make())] = key
+                collect(block=False)
+            while pending:
+                collect(block=True)
         compiled = {key: compiled[key] for key in planned}  # in the order they were planned
         self._copy = compiled.pop("copy")
         if self.encoder is not None:
