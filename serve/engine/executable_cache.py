@@ -13,7 +13,8 @@ shapes it instead, computed without tracing:
 
 Files live in ``<folder>/<fingerprint>/<key digest>.exec``, written atomically. A file that cannot be read back
 (truncated, another jaxlib) is a miss and is compiled again; if a loaded executable fails when warm-up runs it
-(XLA's CPU client cannot run an executable it loaded in the process that compiled the same program), the runner
+(seen with XLA's CPU client: an executable stored by a process that had compiled many others before, such as
+a test worker, can name functions the loading process lacks), the runner
 discards the folder and compiles everything. Backends that cannot serialise an executable (the
 CPU client refuses sort comparators) keep working: the store is skipped. Delete the folder to reclaim the space of
 fingerprints that no longer occur.
@@ -50,15 +51,13 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def environment_parts(devices) -> dict:
+def environment_parts(devices, compiler_options: dict) -> dict:
     """What outside the runner changes a compiled program: versions, device kind, XLA options, env, sources."""
-    from serve.engine import runner
-
     import jaxlib
 
     return dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
                 devices=sorted({(d.platform, d.device_kind) for d in devices}),
-                gpu_options=sorted(runner.GPU_COMPILER_OPTIONS.items()),
+                compiler_options=sorted(compiler_options.items()),
                 env=sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and "CACHE" not in k),
                 sources=source_digest())
 

@@ -715,7 +715,7 @@ class ModelRunner:
             draft_probs=avals(self._draft_probs), config=repr(program_config), impl=resolve_impl(self.impl),
             spec_plan=repr(self.spec_plan), parallel=repr(self.parallel), encoder=encoder,
             mesh=(dict(self.mesh.shape), [d.id for d in self.mesh.devices.flat]),
-            environment=environment_parts(list(self.mesh.devices.flat))))
+            environment=environment_parts(list(self.mesh.devices.flat), GPU_COMPILER_OPTIONS if self.on_gpu else {})))
 
     @property
     def compiles_after_warm_up(self) -> int:

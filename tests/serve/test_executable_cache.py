@@ -21,7 +21,7 @@ from serve.engine import EngineConfig
 from serve.engine.engine import LLMEngine
 from serve.engine.executable_cache import ExecutableCache, fingerprint, source_digest
 from serve.engine.runner import ModelRunner, backend_compile_count
-from tests.serve.test_engine_runner import BLOCK, PROMPTS, RUNNER_CONFIG, add_all, greedy, run, shared_lm
+from tests.serve.test_engine_runner import BLOCK, MAX_NEW, PROMPTS, RUNNER_CONFIG, add_all, greedy, run, shared_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("a", "d", "h")
@@ -37,19 +37,7 @@ def serve_greedy(runner: ModelRunner) -> dict[str, list[int]]:
     return {name: list(out.outputs[0].token_ids) for name, out in run(engine).items()}
 
 
-@pytest.fixture(scope="module")
-def cold(tmp_path_factory) -> tuple[Path, ModelRunner]:
-    folder = tmp_path_factory.mktemp("executables")
-    # compiled here, not read from the suite's JAX compilation cache: XLA's CPU client cannot serialise again an
-    # executable it deserialised (the restart then finds executables that do not run, and compiles again)
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        return folder, ModelRunner(shared_lm(), cached_config(folder))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-
-
-WARM_START = """
+START = """
 import json, sys
 from serve.engine.runner import ModelRunner, backend_compile_count
 from tests.serve import test_executable_cache as t
@@ -59,27 +47,38 @@ before = backend_compile_count()
 runner = ModelRunner(lm, t.cached_config(t.Path(sys.argv[1])))
 compiles = backend_compile_count() - before
 store = runner.executable_cache
-print(json.dumps(dict(hits=store.hits, misses=store.misses, compiles=compiles, tokens=t.serve_greedy(runner),
+print(json.dumps(dict(hits=store.hits, misses=store.misses, stored=store.stored, compiles=compiles,
+                      executables=runner.num_executables, tokens=t.serve_greedy(runner),
                       after=runner.compiles_after_warm_up)))
 """
 
 
-def test_a_restart_loads_every_executable_and_serves_the_same_tokens(cold):
-    folder, first = cold
-    store = first.executable_cache
-    assert store.hits == 0 and store.misses == store.stored == first.num_executables > 0
-    run = subprocess.run([sys.executable, "-c", WARM_START, str(folder)], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)  # a new process, as a restart is
+def start_server_process(folder: Path) -> dict:
+    """A runner built in a new process, as ``kimi-jax serve`` builds one (XLA's CPU client cannot run an
+    executable deserialised in a process that compiled others before, e.g. a pytest worker)."""
+    run = subprocess.run([sys.executable, "-c", START, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    warm = json.loads(run.stdout.strip().splitlines()[-1])
-    assert warm["hits"] == first.num_executables and warm["misses"] == 0
-    assert warm["compiles"] <= 1  # the pool initialiser only: no step is traced, lowered or compiled
-    assert warm["tokens"] == serve_greedy(first) and warm["after"] == 0
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_a_loaded_executable_that_cannot_run_is_discarded_and_compiled_again(cold, monkeypatch):
-    folder, first = cold
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    """The model's own greedy continuations (no engine, no cache)."""
+    outs = shared_lm().generate([PROMPTS[n] for n in NAMES], max_new_tokens=MAX_NEW, stop_token_ids=[])
+    return {n: out[len(PROMPTS[n]):] for n, out in zip(NAMES, outs)}
 
+
+def test_a_restart_loads_every_executable_and_serves_the_same_tokens(tmp_path, expected):
+    cold = start_server_process(tmp_path)
+    assert cold["hits"] == 0 and cold["misses"] == cold["stored"] == cold["executables"] > 0
+    warm = start_server_process(tmp_path)
+    assert warm["hits"] == cold["executables"] and warm["misses"] == warm["stored"] == 0
+    assert warm["compiles"] <= 1 < cold["compiles"]  # the pool initialiser only: no step traced or compiled
+    assert warm["tokens"] == cold["tokens"] == expected and warm["after"] == 0
+
+
+def test_a_loaded_executable_that_cannot_run_is_discarded_and_compiled_again(tmp_path, monkeypatch, expected):
     class Broken:
         def __call__(self, *args):
             raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_iota not found")
@@ -87,24 +86,24 @@ def test_a_loaded_executable_that_cannot_run_is_discarded_and_compiled_again(col
         def memory_analysis(self):
             return None
 
-    loads = []
-    real_load = ExecutableCache.load
-
+    fp = ModelRunner(shared_lm(), cached_config(tmp_path), warm_up=False)._executable_fingerprint()
+    (tmp_path / fp[:40]).mkdir()
+    (tmp_path / fp[:40] / "stale.exec").write_bytes(b"x")
     def load(self, key):
-        loads.append(real_load(self, key))
-        return Broken() if loads[-1] is not None else None
+        self.hits += 1
+        return Broken()
 
     monkeypatch.setattr(ExecutableCache, "load", load)
     with pytest.warns(RuntimeWarning, match="discarding the cache"):
-        runner = ModelRunner(shared_lm(), cached_config(folder))
-    assert any(loads) and runner.executable_cache is None
-    assert serve_greedy(runner) == serve_greedy(first)
-    assert not list(folder.rglob("*.exec"))  # the next start compiles and stores afresh
+        runner = ModelRunner(shared_lm(), cached_config(tmp_path))
+    assert runner.executable_cache is None and runner.num_executables > 0
+    assert serve_greedy(runner) == expected
+    assert not list(tmp_path.rglob("*.exec"))  # the next start compiles and stores afresh
 
 
-def test_the_fingerprint_follows_what_shapes_the_program(cold):
-    folder, first = cold
-    fp = first._executable_fingerprint()
+def test_the_fingerprint_follows_what_shapes_the_program(tmp_path):
+    folder = tmp_path
+    fp = ModelRunner(shared_lm(), cached_config(folder), warm_up=False)._executable_fingerprint()
     same = ModelRunner(shared_lm(), dataclasses.replace(cached_config(folder), seed=7, compile_threads=1,
                                                         async_scheduling=False), warm_up=False)
     assert same._executable_fingerprint() == fp  # settings that do not change a program share the executables
@@ -132,7 +131,7 @@ def test_a_damaged_file_is_a_miss_and_is_rewritten(tmp_path):
     assert not list((tmp_path / ("f" * 40)).glob("*.tmp"))
 
 
-def test_a_backend_that_cannot_serialise_still_serves(tmp_path, monkeypatch, cold):
+def test_a_backend_that_cannot_serialise_still_serves(tmp_path, monkeypatch, expected):
     from jax.experimental import serialize_executable
 
     def refuse(compiled):
@@ -143,7 +142,7 @@ def test_a_backend_that_cannot_serialise_still_serves(tmp_path, monkeypatch, col
     store = runner.executable_cache
     assert store.stored == 0 and store.unserializable == runner.num_executables and store.hits == 0
     assert "not serialisable" in store.summary()
-    assert serve_greedy(runner) == serve_greedy(cold[1])
+    assert serve_greedy(runner) == expected
 
 
 def test_kimi_jax_serve_keeps_executables_beside_the_compile_cache(monkeypatch, tmp_path):
