@@ -62,6 +62,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
                   enable_prefix_caching=args.enable_prefix_caching,
                   prefix_cache_retention_interval=args.prefix_cache_retention_interval,
                   kv_cache_dtype=args.kv_cache_dtype, mxfp4_byte_order=args.mxfp4_byte_order,
+                  gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                   speculative_config=getattr(args, "speculative_config", None))
     cache = compile_cache_folder()
     if cache:

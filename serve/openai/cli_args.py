@@ -1,8 +1,8 @@
 """`kimi-jax serve` flags (mirroring `vllm serve` where the meaning is the same) and the server entry points.
 
 Engine flags (--max-model-len, --max-num-seqs, --max-num-batched-tokens, --block-size, --enable-prefix-caching,
---prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --seed, --speculative-config) and the
-parallelism flags (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel,
+--prefix-cache-retention-interval, --kv-cache-dtype, --mxfp4-byte-order, --gpu-memory-utilization, --seed,
+--speculative-config) and the parallelism flags (--tensor-parallel-size, --data-parallel-size, --enable-expert-parallel,
 --decode-context-parallel-size, --num-hosts / --host-rank / --coordinator-address) are defined here so
 `kimi-jax serve --help` lists them all, and are read by whoever builds the engine; `run_server` reads the HTTP
 ones.
@@ -81,6 +81,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="MXFP4 expert bytes as served (auto: re-laid at start into the word order, or pair "
                              "halves where widths do not fit, when the Pallas kernels run on a GPU; checkpoint: as "
                              "loaded)")
+    engine.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                        help="fraction of each GPU's memory the engine may use: weights, both cache pools and a "
+                             "reserve for step temporaries; the pools get what is left (default: 0.9)")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     engine.add_argument("--speculative-config", type=_speculative_config, default=None,
@@ -91,6 +94,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_parallel_args(parser)
     add_disagg_args(parser)
     return parser
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -34,6 +34,11 @@ def test_vllm_recipe_flags_parse(engines):
     assert (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens) == (4096, 8, 2048)
     assert engine_args_from_cli(args)["block_size"] == 64 and "block_size" not in engine_args_from_cli(parse("tiny"))
     assert engine_args_from_cli(parse("tiny", "--mxfp4-byte-order", "checkpoint"))["mxfp4_byte_order"] == "checkpoint"
+    assert engine_args_from_cli(parse("tiny", "--gpu-memory-utilization", "0.5"))["gpu_memory_utilization"] == 0.5
+    assert "gpu_memory_utilization" not in engine_args_from_cli(parse("tiny"))
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(SystemExit):
+            parse("tiny", "--gpu-memory-utilization", bad)
     assert args.enable_prefix_caching and args.prefix_cache_retention_interval == 512 and args.seed == 3
     config = server_config_from_args(args, engines["tiny"])
     assert config.served_model_names == ("kimi", "k3") and config.model_name == "kimi"
