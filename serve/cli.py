@@ -56,7 +56,10 @@ def _add_serve(sub) -> None:
 
 
 def engine_args_from_cli(args: argparse.Namespace) -> dict:
-    """EngineConfig fields set on the command line (None = platform default)."""
+    """EngineConfig fields set on the command line (None = platform default), and on a GPU the executable cache
+    folder beside the compilation cache."""
+    from pallas_kernels.impl import on_gpu
+
     fields = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   enable_prefix_caching=args.enable_prefix_caching,
@@ -65,7 +68,7 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                   speculative_config=getattr(args, "speculative_config", None))
     cache = compile_cache_folder()
-    if cache:
+    if cache and on_gpu():  # XLA's CPU executables can name functions another process lacks: JAX's cache only
         fields["executable_cache_dir"] = os.path.join(cache, "executables")
     return {k: v for k, v in fields.items() if v is not None}
 

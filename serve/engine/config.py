@@ -51,8 +51,8 @@ class EngineConfig:
     test_mode                  fill freed pages and slots with NaN so that a stale read shows up
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
     executable_cache_dir       keep compiled step executables here and load them at the next start, skipping
-                               tracing, lowering and compiling (``executable_cache``; None = off; ``kimi-jax serve``:
-                               ``$KIMI_JAX_COMPILE_CACHE/executables``)
+                               tracing, lowering and compiling (``executable_cache``; None = off; ``kimi-jax serve`` on
+                               a GPU: ``$KIMI_JAX_COMPILE_CACHE/executables``)
     speculative_config         speculative decoding (``SpeculativeConfig``, its dict or its JSON; None = off):
                                verification buckets are compiled beside the others, and the KDA pool gets
                                1 + k spare slots per sequence for the states after each verified token; a

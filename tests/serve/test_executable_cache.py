@@ -145,10 +145,13 @@ def test_a_backend_that_cannot_serialise_still_serves(tmp_path, monkeypatch, exp
     assert serve_greedy(runner) == expected
 
 
-def test_kimi_jax_serve_keeps_executables_beside_the_compile_cache(monkeypatch, tmp_path):
+def test_kimi_jax_serve_keeps_executables_beside_the_compile_cache_on_a_gpu(monkeypatch, tmp_path):
+    import pallas_kernels.impl
+
     args = build_parser().parse_args(["serve", "tiny"])
     monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", str(tmp_path))
+    assert "executable_cache_dir" not in engine_args_from_cli(args)  # CPU: XLA's compilation cache only
+    monkeypatch.setattr(pallas_kernels.impl, "on_gpu", lambda: True)
     assert engine_args_from_cli(args)["executable_cache_dir"] == str(tmp_path / "executables")
     monkeypatch.setenv("KIMI_JAX_COMPILE_CACHE", "off")
     assert "executable_cache_dir" not in engine_args_from_cli(args)
-    assert set(PROMPTS) >= set(NAMES)
