@@ -73,7 +73,7 @@ class ExecutableCache:
     def __init__(self, folder: str | os.PathLike, fingerprint_hex: str):
         self.folder = Path(folder) / fingerprint_hex[:40]
         self.hits = self.misses = self.stored = self.unserializable = 0
-        self._lock = threading.Lock()  # store() runs on the compile threads
+        self._lock = threading.Lock()
 
     def _path(self, key) -> Path:
         return self.folder / (hashlib.sha256(repr(key).encode()).hexdigest()[:40] + _SUFFIX)
@@ -82,17 +82,16 @@ class ExecutableCache:
         """The executable stored under ``key``, or None (absent, or unreadable by this process)."""
         from jax.experimental import serialize_executable
 
-        path = self._path(key)
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            payload, in_tree, out_tree = pickle.loads(self._path(key).read_bytes())
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-        except FileNotFoundError:
-            self.misses += 1
-            return None
-        except Exception:  # noqa: BLE001 - a damaged or foreign file is a miss; it is rewritten after the compile
-            self.misses += 1
-            return None
-        self.hits += 1
+        except Exception:  # noqa: BLE001 - absent, damaged or foreign: a miss, rewritten after the compile
+            compiled = None
+        with self._lock:  # load() and store() run on the warm-up threads
+            if compiled is None:
+                self.misses += 1
+            else:
+                self.hits += 1
         return compiled
 
     def store(self, key, compiled: jax.stages.Compiled) -> bool:
