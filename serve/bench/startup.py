@@ -1,7 +1,8 @@
 """Start-up and first-request latency of ``kimi-jax serve`` (benchmark).
 
 Launches the server ``--launches`` times in a row over one fresh compilation cache folder (the first launch is a
-cold start that compiles every step shape; later ones read the executables back from the cache), and for each
+cold start that compiles every step shape; on a GPU later ones load the compiled steps from the cache's
+``executables`` folder, ``serve.engine.executable_cache``), and for each
 launch records: seconds from the process start to ``/health`` answering 200 (weights, pools and warm-up), the
 latency of the first and second requests (a greedy completion of ``--max-tokens`` tokens and a chat turn, each
 sent twice), and ``kimi_jax:compiles_after_warm_up`` from ``/metrics`` after them (0: no request compiled
