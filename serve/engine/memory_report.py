@@ -8,13 +8,15 @@ import re
 GIB = 1 << 30
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_ALIASES = ("parameter", "bitcast", "get-tuple-element")  # views of another buffer, not allocations
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]\S*\s+([\w\-]+)\(")
 
 
 def large_buffers(hlo_text: str, min_bytes: int, limit: int = 8) -> list[tuple[int, str, str]]:
     """Instructions of an optimised HLO module (``compiled.as_text()``) with an array result of at least
     ``min_bytes``: ``[(bytes, name, opcode)]``, largest first, at most ``limit``. Only the ENTRY computation is
-    read (instructions inside fusions are not buffers); parameters are excluded."""
+    read (instructions inside fusions are not buffers); parameters, bitcasts and tuple elements (views
+    of other buffers, e.g. the cache pools a step updates in place) are excluded."""
     found = []
     lines = hlo_text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
@@ -23,7 +25,7 @@ def large_buffers(hlo_text: str, min_bytes: int, limit: int = 8) -> list[tuple[i
         lines = lines[start + 1:end]
     for line in lines:
         match = _INSTRUCTION.match(line)
-        if not match or match.group(4) == "parameter" or match.group(2) not in _DTYPE_BYTES:
+        if not match or match.group(4) in _ALIASES or match.group(2) not in _DTYPE_BYTES:
             continue
         size = _DTYPE_BYTES[match.group(2)]
         for dim in filter(None, match.group(3).split(",")):

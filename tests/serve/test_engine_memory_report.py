@@ -23,7 +23,7 @@ def test_large_buffers_finds_the_big_results_of_a_compiled_module():
     assert not large_buffers(compiled.as_text(), min_bytes=1 << 40)
 
 
-def test_large_buffers_parses_shapes_and_skips_parameters_and_fused_computations():
+def test_large_buffers_parses_shapes_and_skips_parameters_views_and_fused_computations():
     text = """
 %fused_computation (param_0: bf16[7168,163840]) -> f32[163840,1] {
   %convert.1 = f32[7168,163840]{1,0} convert(%param_0)
@@ -34,6 +34,8 @@ ENTRY %main (p: u8[3,896,3072,1792]) -> bf16[8,7168] {
   %copy.1 = u8[2688,3072,1792]{2,1,0} copy(u8[2688,3072,1792]{2,1,0} %bitcast)
   ROOT %fusion = bf16[8,7168]{1,0} fusion(%copy.1), kind=kLoop
   %t = (f32[4], s32[2]) tuple(%a, %b)
+  %bitcast.480.0 = u8[896,3,3072,1792]{3,2,1,0} bitcast(%p)
+  %get-tuple-element.177 = u8[2688,3072,1792]{2,1,0} get-tuple-element(%w), index=0
 }
 """
     assert large_buffers(text, min_bytes=1000) == [(2688 * 3072 * 1792, "copy.1", "copy"),
