@@ -8,16 +8,16 @@ shapes it instead, computed without tracing:
 * the runner's part (``ModelRunner._executable_fingerprint``): the model's graph, the names, shapes, dtypes and
   shardings of the parameters, pools and step inputs, the engine config, the op implementation and the mesh;
 * the environment: jax / jaxlib versions, the devices' kind, the XLA options and flags, ``KIMI_JAX_*`` /
-  ``PALLAS_*`` / ``JAX_*`` variables (cache locations aside), and a digest of this package's source files (any code change starts a new folder);
+  ``PALLAS_*`` / ``JAX_*`` variables (cache locations aside), and a digest of this package's source files (any
+  code change starts a new folder);
 * the executable's own key (its bucket) and step input layout.
 
 Files live in ``<folder>/<fingerprint>/<key digest>.exec``, written atomically. A file that cannot be read back
 (truncated, another jaxlib) is a miss and is compiled again; if a loaded executable fails when warm-up runs it
-(seen with XLA's CPU client: an executable stored by a process that had compiled many others before, such as
-a test worker, can name functions the loading process lacks), the runner
-discards the folder and compiles everything. Backends that cannot serialise an executable (the
-CPU client refuses sort comparators) keep working: the store is skipped. Delete the folder to reclaim the space of
-fingerprints that no longer occur.
+(seen with XLA's CPU client: an executable stored by a process that had compiled many others before, such as a
+test worker, can name functions the loading process lacks), the runner discards the folder and compiles
+everything. Backends that cannot serialise an executable (the CPU client refuses sort comparators) keep working:
+the store is skipped. Delete the folder to reclaim the space of fingerprints that no longer occur.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def environment_parts(devices, compiler_options: dict) -> dict:
     return dict(jax=jax.__version__, jaxlib=jaxlib.__version__,
                 devices=sorted({(d.platform, d.device_kind) for d in devices}),
                 compiler_options=sorted(compiler_options.items()),
-                env=sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) and "CACHE" not in k),
+                env=sorted((k, v) for k, v in os.environ.items()
+                           if k.startswith(_ENV_PREFIXES) and "CACHE" not in k),
                 sources=source_digest())
 
 

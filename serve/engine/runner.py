@@ -609,7 +609,7 @@ class ModelRunner:
             return step_fn.lower(self.params, self.cache, words, optional, self._carry, self._router_totals,
                                  self.drafter_params, self._draft_probs)
 
-        layouts = {}
+        layouts = {}  # key -> its step input layout, part of its executable cache key
         for shape in self.buckets.shapes():
             small, optional = split(self._neutral_batch(*shape))
             self._buffers[shape] = buffer = WordBuffer(small)
@@ -632,6 +632,7 @@ class ModelRunner:
             encoder_lowered = self.encoder.lower(self.cache, self.cache_shardings)
             planned.update({key: (lambda lo=lo: lo) for key, lo in encoder_lowered.items()})
         self.executable_cache = store = self._open_executable_cache()
+        cache_keys = {key: (key, repr(layouts.get(key))) for key in planned}
         report = progress or (lambda done, total: None)
         report(0, len(planned))
         threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
@@ -641,7 +642,7 @@ class ModelRunner:
         def build(key, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
             executable = lowered.compile(options)
             if store is not None:  # as each finishes: a start stopped half-way leaves its work for the next one
-                store.store((key, repr(layouts.get(key))), executable)
+                store.store(cache_keys[key], executable)
             return executable
 
         def collect(block: bool) -> None:
@@ -656,7 +657,7 @@ class ModelRunner:
         # of the two, not their sum
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             if store is not None:  # deserialising (about 0.4 s per step of `tiny` on an H100 host) runs in parallel
-                loaded = pool.map(lambda key: store.load((key, repr(layouts.get(key)))), planned)
+                loaded = pool.map(store.load, cache_keys.values())
                 compiled.update({key: hit for key, hit in zip(planned, loaded) if hit is not None})
                 report(len(compiled), len(planned))
             for key, make in planned.items():
@@ -696,7 +697,9 @@ class ModelRunner:
 
     def _open_executable_cache(self) -> ExecutableCache | None:
         folder = self.config.executable_cache_dir
-        return None if not folder or self._executable_cache_off else ExecutableCache(folder, self._executable_fingerprint())
+        if not folder or self._executable_cache_off:
+            return None
+        return ExecutableCache(folder, self._executable_fingerprint())
 
     def _executable_fingerprint(self) -> str:
         """What shapes this runner's executables besides their bucket (see ``executable_cache``)."""
