@@ -66,11 +66,18 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
                   prefix_cache_retention_interval=args.prefix_cache_retention_interval,
                   kv_cache_dtype=args.kv_cache_dtype, mxfp4_byte_order=args.mxfp4_byte_order,
                   gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+                  token_buckets=_sizes(args, "token_buckets"), seq_buckets=_sizes(args, "seq_buckets"),
+                  page_buckets=_sizes(args, "page_buckets"),
                   speculative_config=getattr(args, "speculative_config", None))
     cache = compile_cache_folder()
     if cache and on_gpu():  # XLA's CPU executables can name functions another process lacks: JAX's cache only
         fields["executable_cache_dir"] = os.path.join(cache, "executables")
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def _sizes(args: argparse.Namespace, name: str) -> tuple[int, ...] | None:
+    sizes = getattr(args, name, None)
+    return tuple(sizes) if sizes else None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -97,6 +104,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kimi-jax serve: {e}") from None
     import jax
 
+    from serve.engine.runner import add_gpu_compiler_options
+
+    try:
+        add_gpu_compiler_options(args.xla_option)
+    except ValueError as e:
+        raise SystemExit(f"kimi-jax serve: --xla-option: {e}") from None
     leader = jax.process_index() == 0
     print(f"[kimi-jax] loading {args.model} and compiling the step buckets ...", file=sys.stderr, flush=True)
     try:
@@ -125,6 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
           f"{runner.plan.describe()}", file=sys.stderr, flush=True)
     if runner.executable_cache is not None:
         print(f"[kimi-jax] {runner.executable_cache.summary()}", file=sys.stderr, flush=True)
+    if runner.compile_seconds:
+        print(f"[kimi-jax] {runner.compile_summary()}", file=sys.stderr, flush=True)
     try:
         if connector is None:
             run_server(args, AsyncEngine(engine, **admission_args(args)))

@@ -85,14 +85,26 @@ device time per decode step 0.71 -> 0.61 ms at batch 1 and 1.78 -> 1.68 ms at ba
 engine)."""
 
 
+def describe_executable(key) -> str:
+    """A warm-up executable's key in words: ``(T, N, P, decode_only, greedy_only)`` steps, ``("verify", N, P,
+    greedy_only)`` verification steps, or the name of a helper executable."""
+    if isinstance(key, tuple) and key and key[0] == "verify":
+        return f"verification step N={key[1]} P={key[2]}" + (" greedy" if key[3] else "")
+    if isinstance(key, tuple) and len(key) == 5:
+        t, n, p, decode_only, greedy_only = key
+        kind = "decode" if decode_only else "mixed"
+        return f"{kind} step T={t} N={n} P={p}" + (" greedy" if greedy_only else "")
+    return str(key)
+
+
 def add_gpu_compiler_options(options: list[str]) -> None:
     """Add ``name=value`` XLA options (e.g. ``xla_gpu_autotune_level=0``) to GPU_COMPILER_OPTIONS; a value of
     true/false is a bool, an integer an int, anything else the string (as XLA's option parser wants them)."""
     global GPU_COMPILER_OPTIONS
     for option in options:
         name, sep, text = option.partition("=")
-        if not sep or not name:
-            raise ValueError(f"XLA option {option!r}: expected name=value")
+        if not sep or not name.startswith("xla_"):
+            raise ValueError(f"XLA option {option!r}: expected xla_name=value")
         value: bool | int | str = text
         if text.lower() in ("true", "false"):
             value = text.lower() == "true"
@@ -392,6 +404,7 @@ class ModelRunner:
         self._rows: dict[str, int] = {}  # request id -> its row in the last step (draft_rows of the next)
         self.connector = None  # a KVConnector (kv_connector.attach_connector) moving entries to and from the host
         self.warm_up_seconds = 0.0
+        self.compile_seconds: dict = {}  # executable key -> seconds its compile took at warm-up (not loaded ones)
         self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
         self.executable_cache: ExecutableCache | None = None  # config.executable_cache_dir's, after warm_up
         self._executable_cache_off = False  # set when a loaded executable could not run
@@ -595,6 +608,7 @@ class ModelRunner:
         executables become ready."""
         start = time.perf_counter()
         cfg = self.config
+        self.compile_seconds = {}
         planned: dict = {}  # key -> a thunk lowering that executable
 
         def lower(buffer: WordBuffer, optional: tuple, greedy_only: bool, num_seqs: int):
@@ -640,7 +654,9 @@ class ModelRunner:
         compiled, pending = {}, {}
 
         def build(key, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+            began = time.perf_counter()
             executable = lowered.compile(options)
+            self.compile_seconds[key] = time.perf_counter() - began
             if store is not None:  # as each finishes: a start stopped half-way leaves its work for the next one
                 store.store(cache_keys[key], executable)
             return executable
@@ -694,6 +710,14 @@ class ModelRunner:
             self.cache = self.encoder.run_once(self.cache)
         self.warm_up_seconds = time.perf_counter() - start
         self.compiles_at_warm_up = backend_compile_count()
+
+    def compile_summary(self) -> str:
+        """One line on warm-up's compiles: how many, their summed seconds and the slowest ('' if all were loaded)."""
+        if not self.compile_seconds:
+            return ""
+        key, slowest = max(self.compile_seconds.items(), key=lambda kv: kv[1])
+        return (f"{len(self.compile_seconds)} executables compiled, {sum(self.compile_seconds.values()):.1f} s of "
+                f"compiling summed over threads; slowest {slowest:.1f} s: {describe_executable(key)}")
 
     def _open_executable_cache(self) -> ExecutableCache | None:
         folder = self.config.executable_cache_dir

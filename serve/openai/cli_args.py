@@ -84,6 +84,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                         help="fraction of each GPU's memory the engine may use: weights, both cache pools and a "
                              "reserve for step temporaries; the pools get what is left (default: 0.9)")
+    engine.add_argument("--token-buckets", type=_positive_int, nargs="+", default=None, metavar="T",
+                        help="step token counts compiled at start-up; a step is padded to the smallest that holds it "
+                             "(default on GPU: 16, 64, 256, ... up to --max-num-batched-tokens)")
+    engine.add_argument("--seq-buckets", type=_positive_int, nargs="+", default=None, metavar="N",
+                        help="step sequence counts compiled at start-up (default on GPU: 1, 4, 16, ... up to "
+                             "--max-num-seqs)")
+    engine.add_argument("--page-buckets", type=_positive_int, nargs="+", default=None, metavar="P",
+                        help="block-table widths in pages compiled at start-up (default on GPU: 16, 64, 256, ... up "
+                             "to the pages of --max-model-len); fewer buckets of any kind start faster, more pad less")
+    engine.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA compile option for the engine's GPU executables, e.g. "
+                             "xla_gpu_enable_triton_gemm=false (repeatable)")
     engine.add_argument("--dtype", default="auto", help="parameter dtype (auto: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--seed", type=int, default=0, help="engine random seed")
     engine.add_argument("--speculative-config", type=_speculative_config, default=None,
@@ -94,6 +106,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_parallel_args(parser)
     add_disagg_args(parser)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _fraction(text: str) -> float:

@@ -29,7 +29,7 @@ from serve.bench.hit_rates import multi_turn_chat, shared_system_prompt
 from serve.engine import EngineConfig, SamplingParams
 from serve.engine.engine import LLMEngine
 from serve.engine.outputs import SampledTokens
-from serve.engine.runner import ModelRunner, backend_compile_count
+from serve.engine.runner import ModelRunner, backend_compile_count, describe_executable
 from serve.engine.scheduler import ScheduledSequence
 from serve.engine.step_batch import PackedLayout, pack, unpack
 
@@ -163,6 +163,13 @@ def test_buckets_padding_and_warm_up(reference):
     assert runner.num_executables == 4 + 2 and runner.buckets.shapes() == [
         (16, 8, 16, False), (64, 8, 16, False), (8, 8, 16, True)]
     assert runner.buckets.pick(17, 3, 5) == (64, 8, 16, False)
+    if runner.compile_seconds:  # compiled here, not loaded: one timing per executable, the slowest named
+        assert len(runner.compile_seconds) == runner.num_executables
+        assert all(s > 0 for s in runner.compile_seconds.values())
+        assert "6 executables compiled" in runner.compile_summary()
+    assert describe_executable((64, 8, 16, True, True)) == "decode step T=64 N=8 P=16 greedy"
+    assert describe_executable(("verify", 4, 16, False)) == "verification step N=4 P=16"
+    assert describe_executable("copy") == "copy"
     assert runner.buckets.pick(3, 3, 1, decode_only=True) == (8, 8, 16, True)
     engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64)
     add_all(engine, ["f", "g"], greedy(logprobs=2))
@@ -471,6 +478,8 @@ def test_added_compiler_options_are_typed_and_malformed_ones_refused(monkeypatch
     assert added["xla_gpu_command_buffer_scheduling_mode"] == "CONCURRENT"
     with pytest.raises(ValueError, match="xla_gpu_autotune_level"):
         runner_module.add_gpu_compiler_options(["xla_gpu_autotune_level"])
+    with pytest.raises(ValueError, match="gpu_autotune_level=0"):  # not an XLA option name
+        runner_module.add_gpu_compiler_options(["gpu_autotune_level=0"])
 
 
 def test_a_compilation_while_serving_is_counted_and_logged(reference, caplog):

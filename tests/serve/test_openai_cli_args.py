@@ -93,3 +93,18 @@ def test_speculative_config_flag(capsys):
         with pytest.raises(SystemExit):
             parse("tiny", "--speculative-config", bad)
         assert named in capsys.readouterr().err
+
+
+def test_bucket_and_xla_option_flags():
+    """--token-buckets / --seq-buckets / --page-buckets reach EngineConfig as tuples (absent: platform defaults);
+    a size below 1 stops the command; --xla-option collects NAME=VALUE strings."""
+    args = parse("tiny", "--token-buckets", "64", "4096", "--seq-buckets", "1", "16", "128", "--page-buckets", "128",
+                 "--xla-option", "xla_gpu_enable_triton_gemm=false", "--xla-option", "xla_gpu_autotune_level=2")
+    fields = engine_args_from_cli(args)
+    assert (fields["token_buckets"], fields["seq_buckets"], fields["page_buckets"]) == ((64, 4096), (1, 16, 128),
+                                                                                        (128,))
+    assert args.xla_option == ["xla_gpu_enable_triton_gemm=false", "xla_gpu_autotune_level=2"]
+    assert not {"token_buckets", "seq_buckets", "page_buckets"} & set(engine_args_from_cli(parse("tiny")))
+    for bad in ("0", "-4", "x"):
+        with pytest.raises(SystemExit):
+            parse("tiny", "--page-buckets", bad)
