@@ -40,6 +40,7 @@ from pallas_kernels import bench_checks
 from pallas_kernels.bench_timing import kernel_split_us
 from pallas_kernels.kda import ChunkKDAConfig, KDADecodeConfig, chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.chunk import chunk_kda_pallas
+from pallas_kernels.kda.decode_mgpu import fused_recurrent_kda_mgpu
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -312,6 +313,19 @@ def decode_step(conv_state, state, *rest, impl, block_v=None, split_v=None):
                                config=config, **dict(zip(REST_ORDER, rest)))
 
 
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def decode_step_mgpu(conv_state, state, *rest):
+    """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (the state update
+    as a Mosaic-GPU kernel, conv and norms in XLA), returning what :func:`decode_step` does."""
+    x = dict(zip(REST_ORDER, rest))
+    per_token = {name: x[name][:, None] for name in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits")}
+    y, conv_state, state = fused_recurrent_kda_mgpu(
+        conv_weight=x["conv_weight"], conv_state=conv_state, A_log=x["A_log"], dt_bias=x["dt_bias"], state=state,
+        slots=x["slots"], out_slots=x["slots"][:, None], o_norm_weight=x["o_norm_weight"], lower_bound=LOWER_BOUND,
+        **per_token)
+    return y[:, 0], conv_state, state
+
+
 class DecodeCase:
     def __init__(self, batch, heads, state_dtype, check, key):
         self.batch, self.heads, self.check = batch, heads, check
@@ -337,24 +351,38 @@ class DecodeCase:
             row["err_vs_ref_conv"] = rel_err(cs, cs_r)
             y, cs, st = decode_step(*self.pools(), *self.rest, impl="pallas", split_v=DECODE_SPLIT_V[0])
             row["split_v_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
+            y, cs, st = decode_step_mgpu(*self.pools(), *self.rest)
+            row["mgpu_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             print(f"check {self.name}: rel err y {row['err_vs_ref_y']:.1e} state {row['err_vs_ref_state']:.1e} "
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
-    def time(self, impl):
-        variants = [("ours_s", None, None)] + [(f"ours_bv{bv}_s", bv, None) for bv in DECODE_BLOCK_V]
-        variants += [(f"ours_split{sv}_s", None, sv) for sv in DECODE_SPLIT_V]
-        for label, block_v, split_v in variants if impl == "pallas" else [("xla_ref_s", None, None)]:
+    def time(self, impl, sliced: bool = True):
+        """Wall (and for ours, profiler device) time of each variant: the tuned kernel, the Mosaic-GPU state
+        update (``ours_mgpu``, with its own kernel's time), and with ``sliced`` the V-slice and split-V kernels."""
+        step = functools.partial(decode_step, impl=impl)
+        variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu)] if impl == "pallas" else [("xla_ref_s", step)]
+        if impl == "pallas" and sliced:
+            variants += [(f"ours_bv{bv}_s", functools.partial(step, block_v=bv)) for bv in DECODE_BLOCK_V]
+            variants += [(f"ours_split{sv}_s", functools.partial(step, split_v=sv)) for sv in DECODE_SPLIT_V]
+        for label, fn in variants:
             pools = self.pools()
 
             def run():
-                pools[:] = decode_step(*pools, *self.rest, impl=impl, block_v=block_v, split_v=split_v)[1:]
+                pools[:] = fn(*pools, *self.rest)[1:]
                 return pools[1]
 
             self.row[label] = time_jax(run, iters=50 if impl == "pallas" else 10)
             device = ""
             if impl == "pallas":  # the kernels' profiler time: batch 1 is dispatch-bound in wall-clock time
-                self.row[f"{label[:-2]}_device_us"] = sum(kernel_split_us(run, (), 10).values())
+                split = kernel_split_us(run, (), 10)
+                self.row[f"{label[:-2]}_device_us"] = sum(split.values())
                 device = f", device {self.row[f'{label[:-2]}_device_us']:.1f} us"
+                if label == "ours_mgpu_s":  # every kernel's time: the state update's name is Mosaic-GPU's choice
+                    self.row["ours_mgpu_split_us"] = split
+                own = [us for name, us in split.items() if "kda_state_update" in name or "mosaic" in name.lower()]
+                if label == "ours_mgpu_s" and own:
+                    self.row["ours_mgpu_kernel_us"] = own[0]
+                    device += f" (state update {own[0]:.1f} us)"
             print(f"{self.name}: {impl} {label} {self.row[label] * 1e6:.1f} us{device}", flush=True)
 
     def time_fla(self):
@@ -482,7 +510,8 @@ def print_table(ceilings, rows):
               f"{r.get('err_vs_fla_o', nan):9.1e}{r.get('err_vs_ref_o', nan):9.1e}"
               + _errors(r))
     print(f"{'decode':<24}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'Ktok/s':>8}{'TB/s':>8}{'%copy':>7}"
-          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}{'dev us':>8}{'split dev':>10}")
+          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}{'dev us':>8}{'split dev':>10}{'mgpu dev':>9}{'kern':>7}"
+          f"{'%copy':>6}")
     for r in rows:
         if r["kind"] != "decode":
             continue
@@ -492,6 +521,8 @@ def print_table(ceilings, rows):
               f"{r['state_bytes'] / ours / 1e12:8.2f}{100 * r['state_bytes'] / ours / bw:7.0f}"
               f"{r['state_bytes'] / fla / 1e12:9.2f}{100 * r['state_bytes'] / fla / bw:7.0f}"
               f"{r.get('err_vs_ref_y', nan):9.1e}{r.get('ours_device_us', nan):8.1f}{_best_split_device_us(r):10.1f}"
+              f"{r.get('ours_mgpu_device_us', nan):9.1f}{r.get('ours_mgpu_kernel_us', nan):7.1f}"
+              f"{100 * r['state_bytes'] / (r.get('ours_mgpu_kernel_us', nan) * 1e-6) / bw:6.0f}"
               + _errors(r))
 
 
@@ -503,6 +534,8 @@ def suite_cases(suite, rng):
         return [], [(16, 32, jnp.float32, True), (16, 32, jnp.bfloat16, True)]
     if suite == "decode":  # every decode case of the full suite, no prefill
         return [], decode_cases()
+    if suite == "decode-mgpu":  # the tuned kernel against the Mosaic-GPU state update, B >= 16
+        return [], [(b, h, dt, b == 16) for h in (32, 96) for b in (16, 64, 256) for dt in (jnp.float32, jnp.bfloat16)]
     if suite == "smoke":
         return ([("H32 T8K", [8192], 32, 32, LOWER_BOUND, False)],
                 [(64, 32, jnp.float32, False), (64, 96, jnp.float32, False)])
@@ -527,7 +560,7 @@ def decode_cases():
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=("tiny", "decode-check", "decode", "smoke", "quick", "full"),
+    parser.add_argument("--suite", choices=("tiny", "decode-check", "decode", "decode-mgpu", "smoke", "quick", "full"),
                         default="full")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (its autotuning is slow)")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
@@ -628,7 +661,7 @@ def main():
             guarded(case.row, "ours", case.time_ours)
     for case in decode:
         if "ours_first_call_s" in case.row:
-            guarded(case.row, "ours", lambda: case.time("pallas"))
+            guarded(case.row, "ours", lambda: case.time("pallas", sliced=args.suite != "decode-mgpu"))
     report["phases"]["ours_done_s"] = elapsed()
     if with_fla:
         for case in decode:

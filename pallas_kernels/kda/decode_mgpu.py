@@ -1,0 +1,145 @@
+"""KDA decode (one token per sequence) with the state update as a Mosaic-GPU (Hopper warpgroup) kernel.
+
+Why: the Triton kernel (:mod:`pallas_kernels.kda.recurrent`) holds a whole ``[K, V]`` fp32 state in registers (255
+per thread at 4 warps), so one program runs per SM and its warps stall on the state loads (Nsight Compute, H32 B64:
+DRAM 60% busy). Here the state travels by TMA: each CTA (one warpgroup, one (sequence, value head)) bulk-copies
+the ``[K, V]`` state of its slot into shared memory, updates it there in two ``[K/2, V]`` halves (64 registers of
+state per thread), and bulk-copies it to its output slot. A TMA copy needs no registers, and a CTA takes ``K * V *
+itemsize`` + 3 KB of shared memory (67 KB for fp32), so three CTAs share an SM and one's copies overlap the others'
+arithmetic.
+
+The update is the reference's order (:func:`pallas_kernels.kda.reference.fused_recurrent_kda_reference`)::
+
+    S1 = g * S                     (g = exp(gate) per key row)
+    e  = v - k^T S1                (column sums over K)
+    S' = S1 + beta k e^T
+    o  = q^T S'
+
+The conv-state shift, causal conv + SiLU, L2 norms, gate and beta before it, and the gated RMSNorm after it, are
+XLA fusions of the reference's own code (:func:`fused_recurrent_kda_mgpu`). Contract: one token per sequence,
+``K = V = 128``; ``out_slots[n] < 0`` skips the write. ``jax.export`` for CUDA runs Mosaic-GPU's lowering on the
+CPU, so the GPU lowering is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.impl import layer_stacks, on_gpu
+from pallas_kernels.kda.reference import gated_rms_norm, kda_gate, l2_normalize, split_mixed_qkv
+from pallas_kernels.mgpu_smem import wgmma_operand_transforms
+
+DIM = 128  # K = V: the kernel's head size
+HALF = DIM // 2
+
+
+def _kda_state_update(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar, *,
+            num_value_heads):
+    pair = jax.lax.axis_index("pair")
+    seq, head = pair // num_value_heads, pair % num_value_heads
+    slot, out_slot = slots_ref[seq], out_slots_ref[seq]
+    plgpu.copy_gmem_to_smem(state_ref.at[slot, head], s_smem, bar.at[0])
+    plgpu.copy_gmem_to_smem(vecs_ref.at[seq, head], vec_smem.at[pl.ds(0, 4)], bar.at[1])
+    beta = beta_ref[seq, head]
+    plgpu.barrier_wait(bar.at[1])
+    plgpu.barrier_wait(bar.at[0])
+
+    def rows(vec: int, half: int):  # a [K/2] slice of q (0), k (1) or g (2) as a per-row factor
+        return vec_smem[vec, pl.ds(half * HALF, HALF)]
+
+    def scaled(half: int):  # g * S over one half of the key rows, fp32 [K/2, V]
+        s = s_smem[pl.ds(half * HALF, HALF), :].astype(jnp.float32)
+        return s * jax.lax.broadcast_in_dim(rows(2, half), s.shape, [0])
+
+    k_s = sum((scaled(h) * jax.lax.broadcast_in_dim(rows(1, h), (HALF, DIM), [0])).sum(axis=0) for h in range(2))
+    error = vec_smem[3, :] - k_s
+    o = None
+    for h in range(2):
+        s_new = scaled(h) + (jax.lax.broadcast_in_dim(rows(1, h) * beta, (HALF, DIM), [0])
+                             * jax.lax.broadcast_in_dim(error, (HALF, DIM), [1]))
+        part = (s_new * jax.lax.broadcast_in_dim(rows(0, h), s_new.shape, [0])).sum(axis=0)
+        o = part if o is None else o + part
+        s_smem[pl.ds(h * HALF, HALF), :] = s_new.astype(s_smem.dtype)
+    vec_smem[4, :] = o
+    plgpu.commit_smem()
+
+    @pl.when(out_slot >= 0)
+    def _():
+        plgpu.copy_smem_to_gmem(s_smem, state_ref.at[out_slot, head])
+
+    plgpu.copy_smem_to_gmem(vec_smem.at[4], o_ref.at[seq, head])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def smem_bytes(state_dtype) -> int:
+    """Shared memory of one CTA: the ``[K, V]`` state and five fp32 vectors (q, k, g, v, o), plus two barriers."""
+    return DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Array, q: jax.Array, k: jax.Array,
+                          g: jax.Array, v: jax.Array, beta: jax.Array, *, interpret: bool | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
+    """One delta-rule step per (sequence, value head) over a slot pool, in place.
+
+    state ``[S, HV, K, V]`` (fp32 or bf16), slots / out_slots int32 ``[N]`` (the write is skipped where
+    ``out_slots < 0``), q (already scaled), k, g (the decay factor ``exp(gate)``) ``[N, HV, K]``, v ``[N, HV, V]``,
+    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). ``interpret``: the Mosaic-GPU interpreter (default: when
+    no GPU is present)."""
+    num_slots, num_value_heads, head_dim, value_dim = state.shape
+    num_seqs = slots.shape[0]
+    if head_dim != DIM or value_dim != DIM:
+        raise ValueError(f"kda_state_update_mgpu needs K = V = {DIM}, got K={head_dim}, V={value_dim}")
+    if state.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"state dtype must be float32 or bfloat16, got {state.dtype}")
+    vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)  # [N, HV, 4, K]: one TMA copy per CTA
+    interpret = not on_gpu() if interpret is None else interpret
+    bits = 8 * jnp.dtype(state.dtype).itemsize
+    pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
+    o = plgpu.kernel(
+        functools.partial(_kda_state_update, num_value_heads=num_value_heads),
+        out_type=jax.ShapeDtypeStruct((num_seqs, num_value_heads, DIM), jnp.float32),
+        grid=(num_seqs * num_value_heads,), grid_names=("pair",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=[plgpu.SMEM((DIM, DIM), state.dtype, transforms=wgmma_operand_transforms(DIM, bits)),
+                       plgpu.SMEM((5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2)],
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), beta.astype(jnp.float32), vecs, pool)
+    state = jax.freeze(pool)
+    return o, state
+
+
+def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
+                             out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
+                             eps: float = 1e-5, layer: int | None = None, interpret: bool | None = None):
+    """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
+    arguments and returns; ``out_slots [N, 1]``): conv, norms and gate as XLA fusions around
+    :func:`kda_state_update_mgpu`. ``layer`` as in :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
+    num_seqs, num_tokens, channels = mixed_qkv.shape
+    if num_tokens != 1:
+        raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {num_tokens}")
+    (conv_weight, A_log, dt_bias, o_norm_weight), layer = layer_stacks(layer, conv_weight, A_log, dt_bias,
+                                                                        o_norm_weight)
+    conv_weight, A_log, dt_bias, o_norm_weight = (x[layer] for x in (conv_weight, A_log, dt_bias, o_norm_weight))
+    _, num_value_heads, head_dim, value_dim = state.shape
+    width = conv_weight.shape[1]
+    num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
+    window = jnp.concatenate([conv_state[slots].astype(jnp.float32), mixed_qkv.astype(jnp.float32)], axis=1)
+    conv = sum(conv_weight[:, j].astype(jnp.float32) * window[:, j] for j in range(width))  # [N, C]
+    q, k, v = split_mixed_qkv(jax.nn.silu(conv), num_heads, head_dim, num_value_heads, value_dim)
+    group = num_value_heads // num_heads
+    q = jnp.repeat(l2_normalize(q), group, axis=1) * (head_dim**-0.5 if scale is None else scale)
+    k = jnp.repeat(l2_normalize(k), group, axis=1)
+    g = jnp.exp(kda_gate(g_raw.reshape(num_seqs, num_value_heads, head_dim), A_log, dt_bias, lower_bound))
+    beta = jax.nn.sigmoid(beta_logits[:, 0].astype(jnp.float32))
+    dest = out_slots[:, 0]
+    o, state = kda_state_update_mgpu(state, slots, dest, q, k, g, v, beta, interpret=interpret)
+    y = gated_rms_norm(o, gate_logits.reshape(o.shape), o_norm_weight, eps).reshape(num_seqs, 1, -1)
+    conv_state = conv_state.at[jnp.where(dest < 0, conv_state.shape[0], dest)].set(
+        window[:, 1:].astype(conv_state.dtype), mode="drop")
+    return y.astype(mixed_qkv.dtype), conv_state, state

@@ -1,0 +1,117 @@
+"""The Mosaic-GPU KDA decode (``pallas_kernels.kda.decode_mgpu``) in the Mosaic-GPU interpreter against float64 numpy
+and the fused reference, and its CUDA lowering through ``jax.export`` on this CPU.
+
+Tolerances: the kernel does fp32 math like the reference, in another summation order (two halves of K), so fp32
+pools agree to 1e-5 of the largest magnitude (observed ~1e-7); a bf16 pool rounds the new state once (2^-8
+relative: bound 2e-2 on the state, and the outputs, computed before that rounding, stay at 1e-5).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda.decode_mgpu import DIM, fused_recurrent_kda_mgpu, kda_state_update_mgpu
+from pallas_kernels.kda.reference import fused_recurrent_kda_reference
+from tests.kernels.helpers import assert_close
+
+FP32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def update_inputs(seed, state_dtype, seqs=3, value_heads=2, slots=6):
+    rng = np.random.default_rng(seed)
+    vec = lambda: rng.standard_normal((seqs, value_heads, DIM)).astype(np.float32)
+    k = vec()
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    return dict(state=(rng.standard_normal((slots, value_heads, DIM, DIM)) * 0.3).astype(np.float32),
+                slots=np.array([4, 0, 5][:seqs], np.int32), out_slots=np.array([2, -1, 5][:seqs], np.int32),
+                q=vec() * DIM**-0.5, k=k, g=rng.uniform(0.3, 1.0, (seqs, value_heads, DIM)).astype(np.float32),
+                v=vec(), beta=rng.uniform(0.0, 1.0, (seqs, value_heads)).astype(np.float32)), state_dtype
+
+
+def update_float64(x):
+    """(o [N, HV, V], the new states [N, HV, K, V]) in float64 from the state each sequence reads."""
+    s = x["state"][x["slots"]].astype(np.float64) * x["g"][..., None]
+    error = x["v"] - np.einsum("nhk,nhkv->nhv", x["k"], s)
+    s = s + x["beta"][..., None, None] * x["k"][..., None] * error[..., None, :]
+    return np.einsum("nhk,nhkv->nhv", x["q"], s), s
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_state_update_matches_float64_in_place(state_dtype):
+    """Batch 3 with a skipped write (out slot -1) and one sequence moving to another slot: o and the written
+    states match float64; every slot not written keeps its bytes."""
+    x, dtype = update_inputs(0, state_dtype)
+    pool = jnp.asarray(x["state"], dtype)
+    x["state"] = np.asarray(pool.astype(jnp.float32))  # what the kernel reads
+    o, state = kda_state_update_mgpu(pool, *(jnp.asarray(x[n]) for n in ("slots", "out_slots", "q", "k", "g", "v",
+                                                                          "beta")))
+    o_want, s_want = update_float64(x)
+    assert_close(o, o_want, FP32_TOL, "o")
+    written = [(n, d) for n, d in enumerate(x["out_slots"]) if d >= 0]
+    for n, dest in written:
+        assert_close(state[dest], s_want[n], FP32_TOL if dtype == jnp.float32 else BF16_TOL, f"state of seq {n}")
+    kept = sorted(set(range(pool.shape[0])) - {d for _, d in written})
+    np.testing.assert_array_equal(np.asarray(state)[kept], np.asarray(pool)[kept])
+
+
+def decode_inputs(seed, heads=1, value_heads=2, width=4, slots=7, seqs=3):
+    rng = np.random.default_rng(seed)
+    channels = 2 * heads * DIM + value_heads * DIM
+    arr = lambda shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+    return dict(mixed_qkv=arr((seqs, 1, channels)), conv_weight=arr((channels, width), 0.5),
+                conv_state=arr((slots, width - 1, channels)), g_raw=arr((seqs, 1, value_heads * DIM)),
+                beta_logits=arr((seqs, 1, value_heads)), A_log=jnp.asarray(rng.uniform(0, 2, value_heads),
+                                                                            jnp.float32),
+                dt_bias=arr((value_heads * DIM,)), state=arr((slots, value_heads, DIM, DIM), 0.3),
+                slots=jnp.asarray([3, 1, 5][:seqs], jnp.int32), out_slots=jnp.asarray([[3], [6], [-1]][:seqs],
+                                                                                      jnp.int32),
+                gate_logits=arr((seqs, 1, value_heads * DIM)),
+                o_norm_weight=jnp.asarray(rng.uniform(0.5, 1.5, DIM), jnp.float32))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_decode_matches_fused_reference(lower_bound):
+    """Conv shift, conv + SiLU, L2 norms, GVA (one q/k head for two value heads), both gates, in place, a moved
+    and a skipped write: y and both pools equal the fused reference's."""
+    x = decode_inputs(1)
+    ours = fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound)
+    want = fused_recurrent_kda_reference(**x, lower_bound=lower_bound)
+    for name, a, b in zip(("y", "conv_state", "state"), ours, want):
+        assert_close(a, b, FP32_TOL, name)
+
+
+def test_decode_reads_layer_row_of_stacked_weights():
+    x = decode_inputs(2)
+    per_layer = ("conv_weight", "A_log", "dt_bias", "o_norm_weight")
+    stacked = {n: jnp.stack([-x[n], x[n]]) for n in per_layer}
+    ours = fused_recurrent_kda_mgpu(**{**x, **stacked}, layer=1, lower_bound=-5.0)
+    want = fused_recurrent_kda_reference(**x, lower_bound=-5.0)
+    for name, a, b in zip(("y", "conv_state", "state"), ours, want):
+        assert_close(a, b, FP32_TOL, name)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_state_update_lowers_for_cuda(state_dtype):
+    """Mosaic-GPU's layout inference, TMA shapes and shared-memory transforms, run by ``jax.export`` for CUDA."""
+    S = jax.ShapeDtypeStruct
+    n, hv = 4, 3
+    fn = functools.partial(kda_state_update_mgpu, interpret=False)
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(
+        S((9, hv, DIM, DIM), state_dtype), S((n,), jnp.int32), S((n,), jnp.int32),
+        *[S((n, hv, DIM), jnp.float32)] * 4, S((n, hv), jnp.float32)).mlir_module()
+    assert "mosaic_gpu" in module
+
+
+def test_shapes_it_does_not_take_are_refused():
+    x = decode_inputs(3)
+    with pytest.raises(ValueError, match="one token"):
+        fused_recurrent_kda_mgpu(**{**x, "mixed_qkv": jnp.concatenate([x["mixed_qkv"]] * 2, axis=1)})
+    small = jnp.zeros((2, 1, 64, 64), jnp.float32)
+    ints = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="K = V = 128"):
+        kda_state_update_mgpu(small, ints, ints, *[jnp.zeros((1, 1, 64))] * 4, jnp.zeros((1, 1)))
