@@ -18,7 +18,7 @@ from pallas_kernels.kda.reference import (chunk_kda_reference, fused_recurrent_k
                                           l2_normalize, naive_recurrent_kda)
 
 __all__ = ["ChunkKDAConfig", "KDADecodeConfig", "chunk_kda", "chunk_kda_reference", "decode_split_v",
-           "fused_recurrent_kda", "fused_recurrent_kda_reference", "fused_recurrent_kda_verify", "gated_rms_norm",
+           "decode_takes_mgpu", "fused_recurrent_kda", "fused_recurrent_kda_reference", "fused_recurrent_kda_verify", "gated_rms_norm",
            "kda_gate", "l2_normalize", "naive_recurrent_kda"]
 
 MAX_VERIFY_TOKENS = 8
@@ -29,6 +29,14 @@ def decode_split_v(num_seqs: int, num_v_heads: int, config: KDADecodeConfig | No
     num_v_heads``, else the split-V kernel's slice width ``split_v`` (None when it is 0: never split)."""
     cfg = tuning.resolve(KDADecodeConfig, config)
     return None if num_seqs * num_v_heads <= cfg.fused_max_rows or not cfg.split_v else cfg.split_v
+
+
+def decode_takes_mgpu(num_seqs: int, state_shape: tuple[int, ...], config: KDADecodeConfig | None = None) -> bool:
+    """Whether a decode step of ``num_seqs`` sequences over a ``[S, HV, K, V]`` pool takes the Mosaic-GPU state
+    update: at least ``mgpu_min_rows`` (sequence, value head) rows (0: never) and K = V = 128."""
+    cfg = tuning.resolve(KDADecodeConfig, config)
+    return bool(cfg.mgpu_min_rows) and num_seqs * state_shape[1] >= cfg.mgpu_min_rows and \
+        tuple(state_shape[-2:]) == (128, 128)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, checkpoint_positions=None,
@@ -127,7 +135,8 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
-    Pallas: up to ``config.fused_max_rows`` (sequence, value head) rows one program per (sequence, head) does
+    Pallas: from ``config.mgpu_min_rows`` rows (:func:`decode_takes_mgpu`) the Mosaic-GPU state update; else up
+    to ``config.fused_max_rows`` (sequence, value head) rows one program per (sequence, head) does
     everything; past it (:func:`decode_split_v`) each state is spread over ``V / split_v`` programs of ``[K,
     split_v]`` slices (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and conv-state write
     then run in its epilogue kernel).
@@ -136,6 +145,14 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     Returns:
       ``(y [N, HV*V], conv_state [S, W-1, C], state [S, HV, K, V])``.
     """
+    if decode_takes_mgpu(mixed_qkv.shape[0], state.shape, config) and resolve_impl(impl) == "pallas":
+        from pallas_kernels.kda.decode_mgpu import fused_recurrent_kda_mgpu
+
+        y, conv_state, state = fused_recurrent_kda_mgpu(
+            mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias,
+            state, slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale,
+            eps=eps, layer=layer)
+        return y[:, 0], conv_state, state
     split_v = decode_split_v(mixed_qkv.shape[0], state.shape[1], config)
     if split_v is not None and resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.recurrent import fused_recurrent_kda_split_v_pallas

@@ -54,6 +54,8 @@ class KDADecodeConfig:
       swept).
     * ``split_v_warps`` from :data:`WIDE_SPLIT_V` columns, ``narrow_split_v_warps`` below; ``epilogue_warps``:
       the split-V epilogue (gated RMSNorm and conv-state write).
+    * ``mgpu_min_rows``: decode steps with at least this many rows take the Mosaic-GPU state update
+      (:mod:`pallas_kernels.kda.decode_mgpu`, K = V = 128) instead; 0: never (tuned: 0, see BENCHMARKS.md).
     """
 
     fused_max_rows: int | None = None
@@ -65,6 +67,7 @@ class KDADecodeConfig:
     split_v_warps: int | None = None
     narrow_split_v_warps: int | None = None
     epilogue_warps: int | None = None
+    mgpu_min_rows: int | None = None
 
 
 WIDE_SPLIT_V = 64

@@ -115,3 +115,21 @@ def test_shapes_it_does_not_take_are_refused():
     ints = jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match="K = V = 128"):
         kda_state_update_mgpu(small, ints, ints, *[jnp.zeros((1, 1, 64))] * 4, jnp.zeros((1, 1)))
+
+
+def test_decode_dispatch_takes_it_from_its_row_threshold():
+    """``KDADecodeConfig.mgpu_min_rows`` routes ``fused_recurrent_kda`` here from that many rows (tuned: never),
+    with the same results as the fused reference."""
+    from pallas_kernels.kda import KDADecodeConfig, decode_takes_mgpu, fused_recurrent_kda
+
+    assert not decode_takes_mgpu(64, (9, 32, 128, 128))  # tuned off
+    assert decode_takes_mgpu(3, (9, 2, 128, 128), KDADecodeConfig(mgpu_min_rows=6))
+    assert not decode_takes_mgpu(2, (9, 2, 128, 128), KDADecodeConfig(mgpu_min_rows=6))
+    assert not decode_takes_mgpu(64, (9, 2, 64, 64), KDADecodeConfig(mgpu_min_rows=1))
+    x = decode_inputs(4)
+    x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()
+         if n != "out_slots"}
+    ours = fused_recurrent_kda(**x, lower_bound=-5.0, impl="pallas", config=KDADecodeConfig(mgpu_min_rows=6))
+    want = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
+    for name, a, b in zip(("y", "conv_state", "state"), ours, want):
+        assert_close(a, b, FP32_TOL, name)
