@@ -313,16 +313,17 @@ def decode_step(conv_state, state, *rest, impl, block_v=None, split_v=None):
                                config=config, **dict(zip(REST_ORDER, rest)))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def decode_step_mgpu(conv_state, state, *rest):
+@functools.partial(jax.jit, static_argnames=("ctas",), donate_argnums=(0, 1))
+def decode_step_mgpu(conv_state, state, *rest, ctas=None):
     """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (the state update
-    as a Mosaic-GPU kernel, conv and norms in XLA), returning what :func:`decode_step` does."""
+    as a Mosaic-GPU kernel, conv and norms in XLA; ``ctas``: its pipelined form over that many CTAs), returning
+    what :func:`decode_step` does."""
     x = dict(zip(REST_ORDER, rest))
     per_token = {name: x[name][:, None] for name in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits")}
     y, conv_state, state = fused_recurrent_kda_mgpu(
         conv_weight=x["conv_weight"], conv_state=conv_state, A_log=x["A_log"], dt_bias=x["dt_bias"], state=state,
         slots=x["slots"], out_slots=x["slots"][:, None], o_norm_weight=x["o_norm_weight"], lower_bound=LOWER_BOUND,
-        **per_token)
+        ctas=ctas, **per_token)
     return y[:, 0], conv_state, state
 
 
@@ -353,6 +354,8 @@ class DecodeCase:
             row["split_v_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             y, cs, st = decode_step_mgpu(*self.pools(), *self.rest)
             row["mgpu_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
+            y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, ctas=getattr(jax.devices()[0], "core_count", 132))
+            row["mgpu_pipe_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             print(f"check {self.name}: rel err y {row['err_vs_ref_y']:.1e} state {row['err_vs_ref_state']:.1e} "
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
@@ -360,7 +363,10 @@ class DecodeCase:
         """Wall (and for ours, profiler device) time of each variant: the tuned kernel, the Mosaic-GPU state
         update (``ours_mgpu``, with its own kernel's time), and with ``sliced`` the V-slice and split-V kernels."""
         step = functools.partial(decode_step, impl=impl)
-        variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu)] if impl == "pallas" else [("xla_ref_s", step)]
+        sms = getattr(jax.devices()[0], "core_count", 132)
+        variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu),
+                    ("ours_mgpu_pipe_s", functools.partial(decode_step_mgpu, ctas=sms))] if impl == "pallas" else \
+            [("xla_ref_s", step)]
         if impl == "pallas" and sliced:
             variants += [(f"ours_bv{bv}_s", functools.partial(step, block_v=bv)) for bv in DECODE_BLOCK_V]
             variants += [(f"ours_split{sv}_s", functools.partial(step, split_v=sv)) for sv in DECODE_SPLIT_V]
@@ -377,12 +383,13 @@ class DecodeCase:
                 split = kernel_split_us(run, (), 10)
                 self.row[f"{label[:-2]}_device_us"] = sum(split.values())
                 device = f", device {self.row[f'{label[:-2]}_device_us']:.1f} us"
-                if label == "ours_mgpu_s":  # every kernel's time: the state update's name is Mosaic-GPU's choice
-                    self.row["ours_mgpu_split_us"] = split
-                own = [us for name, us in split.items() if "kda_state_update" in name or "mosaic" in name.lower()]
-                if label == "ours_mgpu_s" and own:
-                    self.row["ours_mgpu_kernel_us"] = own[0]
-                    device += f" (state update {own[0]:.1f} us)"
+                if label.startswith("ours_mgpu"):  # every kernel's time: the update's name is Mosaic-GPU's choice
+                    self.row[f"{label[:-2]}_split_us"] = split
+                    own = [us for name, us in split.items() if "state_update" in name or "mosaic" in name.lower()
+                           or "kernel" in name.lower()]
+                    if own:
+                        self.row[f"{label[:-2]}_kernel_us"] = own[0]
+                        device += f" (state update {own[0]:.1f} us)"
             print(f"{self.name}: {impl} {label} {self.row[label] * 1e6:.1f} us{device}", flush=True)
 
     def time_fla(self):
@@ -511,7 +518,7 @@ def print_table(ceilings, rows):
               + _errors(r))
     print(f"{'decode':<24}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'Ktok/s':>8}{'TB/s':>8}{'%copy':>7}"
           f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}{'dev us':>8}{'split dev':>10}{'mgpu dev':>9}{'kern':>7}"
-          f"{'%copy':>6}")
+          f"{'%copy':>6}{'pipe dev':>9}{'kern':>7}{'%copy':>6}")
     for r in rows:
         if r["kind"] != "decode":
             continue
@@ -523,6 +530,8 @@ def print_table(ceilings, rows):
               f"{r.get('err_vs_ref_y', nan):9.1e}{r.get('ours_device_us', nan):8.1f}{_best_split_device_us(r):10.1f}"
               f"{r.get('ours_mgpu_device_us', nan):9.1f}{r.get('ours_mgpu_kernel_us', nan):7.1f}"
               f"{100 * r['state_bytes'] / (r.get('ours_mgpu_kernel_us', nan) * 1e-6) / bw:6.0f}"
+              f"{r.get('ours_mgpu_pipe_device_us', nan):9.1f}{r.get('ours_mgpu_pipe_kernel_us', nan):7.1f}"
+              f"{100 * r['state_bytes'] / (r.get('ours_mgpu_pipe_kernel_us', nan) * 1e-6) / bw:6.0f}"
               + _errors(r))
 
 

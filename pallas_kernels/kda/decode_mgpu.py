@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import tuning
 from pallas_kernels.impl import layer_stacks, on_gpu
 from pallas_kernels.kda.reference import gated_rms_norm, kda_gate, l2_normalize, split_mixed_qkv
 from pallas_kernels.mgpu_smem import wgmma_operand_transforms
@@ -38,16 +39,9 @@ DIM = 128  # K = V: the kernel's head size
 HALF = DIM // 2
 
 
-def _kda_state_update(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar, *,
-            num_value_heads):
-    pair = jax.lax.axis_index("pair")
-    seq, head = pair // num_value_heads, pair % num_value_heads
-    slot, out_slot = slots_ref[seq], out_slots_ref[seq]
-    plgpu.copy_gmem_to_smem(state_ref.at[slot, head], s_smem, bar.at[0])
-    plgpu.copy_gmem_to_smem(vecs_ref.at[seq, head], vec_smem.at[pl.ds(0, 4)], bar.at[1])
-    beta = beta_ref[seq, head]
-    plgpu.barrier_wait(bar.at[1])
-    plgpu.barrier_wait(bar.at[0])
+def _update_in_smem(s_smem, vec_smem, beta) -> None:
+    """The delta-rule step of one (sequence, value head) in shared memory: ``s_smem [K, V]`` (state dtype) holds S
+    and receives S'; ``vec_smem [5, K]`` fp32 holds q, k, g, v and receives o in row 4."""
 
     def rows(vec: int, half: int):  # a [K/2] slice of q (0), k (1) or g (2) as a per-row factor
         return vec_smem[vec, pl.ds(half * HALF, HALF)]
@@ -68,29 +62,93 @@ def _kda_state_update(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o
     vec_smem[4, :] = o
     plgpu.commit_smem()
 
+
+def _load_pair(refs, pair, s_smem, vec_smem, state_barrier, vec_barrier, num_value_heads):
+    """Start the TMA copies of ``pair``'s state (from its slot) and vectors; -> (seq, head, beta, out slot)."""
+    slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref = refs
+    seq, head = pair // num_value_heads, pair % num_value_heads
+    plgpu.copy_gmem_to_smem(state_ref.at[slots_ref[seq], head], s_smem, state_barrier)
+    plgpu.copy_gmem_to_smem(vecs_ref.at[seq, head], vec_smem.at[pl.ds(0, 4)], vec_barrier)
+    return seq, head
+
+
+def _store_pair(refs, o_ref, seq, head, s_smem, vec_smem) -> None:
+    """Start the TMA copies of the new state to its output slot (none when negative) and of o."""
+    _, out_slots_ref, _, _, state_ref = refs
+    out_slot = out_slots_ref[seq]
+
     @pl.when(out_slot >= 0)
     def _():
         plgpu.copy_smem_to_gmem(s_smem, state_ref.at[out_slot, head])
 
     plgpu.copy_smem_to_gmem(vec_smem.at[4], o_ref.at[seq, head])
+
+
+def _one_pair_kernel(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar, *,
+                     num_value_heads):
+    """One CTA per (sequence, value head): load, update, store (three CTAs share an SM at fp32)."""
+    refs = (slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref)
+    pair = jax.lax.axis_index("pair")
+    seq, head = _load_pair(refs, pair, s_smem, vec_smem, bar.at[0], bar.at[1], num_value_heads)
+    plgpu.barrier_wait(bar.at[1])
+    plgpu.barrier_wait(bar.at[0])
+    _update_in_smem(s_smem, vec_smem, beta_ref[seq, head])
+    _store_pair(refs, o_ref, seq, head, s_smem, vec_smem)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def smem_bytes(state_dtype) -> int:
-    """Shared memory of one CTA: the ``[K, V]`` state and five fp32 vectors (q, k, g, v, o), plus two barriers."""
-    return DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8
+def _pipelined_kernel(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar, *,
+                      num_value_heads, per_cta):
+    """A run of ``per_cta`` consecutive (sequence, value head) pairs per CTA over two shared-memory stages: pair
+    i + 1 loads while pair i updates and pair i - 1 stores."""
+    refs = (slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref)
+    first = jax.lax.axis_index("cta") * per_cta
+    count = jnp.clip(slots_ref.shape[0] * num_value_heads - first, 0, per_cta)
+
+    def load(i, stage):
+        _load_pair(refs, first + i, s_smem.at[stage], vec_smem.at[stage], bar.at[stage], bar.at[2 + stage],
+                   num_value_heads)
+
+    @pl.when(count > 0)
+    def _():
+        load(0, 0)
+
+    @pl.loop(0, count)
+    def _(i):
+        stage = jax.lax.rem(i, 2)
+
+        @pl.when(i + 1 < count)
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # pair i - 1's store has read the other stage
+            load(i + 1, 1 - stage)
+
+        pair = first + i
+        seq, head = pair // num_value_heads, pair % num_value_heads
+        plgpu.barrier_wait(bar.at[2 + stage])
+        plgpu.barrier_wait(bar.at[stage])
+        _update_in_smem(s_smem.at[stage], vec_smem.at[stage], beta_ref[seq, head])
+        _store_pair(refs, o_ref, seq, head, s_smem.at[stage], vec_smem.at[stage])
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+def smem_bytes(state_dtype, stages: int = 1) -> int:
+    """Shared memory of one CTA: per stage the ``[K, V]`` state, five fp32 vectors (q, k, g, v, o) and two
+    barriers."""
+    return stages * (DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8)
+
+
+@functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
 def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Array, q: jax.Array, k: jax.Array,
-                          g: jax.Array, v: jax.Array, beta: jax.Array, *, interpret: bool | None = None
-                          ) -> tuple[jax.Array, jax.Array]:
+                          g: jax.Array, v: jax.Array, beta: jax.Array, *, ctas: int | None = None,
+                          interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """One delta-rule step per (sequence, value head) over a slot pool, in place.
 
     state ``[S, HV, K, V]`` (fp32 or bf16), slots / out_slots int32 ``[N]`` (the write is skipped where
     ``out_slots < 0``), q (already scaled), k, g (the decay factor ``exp(gate)``) ``[N, HV, K]``, v ``[N, HV, V]``,
-    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). ``interpret``: the Mosaic-GPU interpreter (default: when
-    no GPU is present)."""
+    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). ``ctas``: None, one CTA per (sequence, value head);
+    else that many CTAs, each pipelining a run of pairs over two stages. ``interpret``: the Mosaic-GPU interpreter
+    (default: when no GPU is present)."""
     num_slots, num_value_heads, head_dim, value_dim = state.shape
     num_seqs = slots.shape[0]
     if head_dim != DIM or value_dim != DIM:
@@ -99,27 +157,36 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
         raise ValueError(f"state dtype must be float32 or bfloat16, got {state.dtype}")
     vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)  # [N, HV, 4, K]: one TMA copy per CTA
     interpret = not on_gpu() if interpret is None else interpret
-    bits = 8 * jnp.dtype(state.dtype).itemsize
+    transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
+    pairs = num_seqs * num_value_heads
+    if ctas is None:
+        body = functools.partial(_one_pair_kernel, num_value_heads=num_value_heads)
+        grid, names, stages, lead = (pairs,), ("pair",), 1, ()
+    else:
+        per_cta = -(-pairs // ctas)
+        body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta)
+        grid, names, stages, lead = (-(-pairs // per_cta),), ("cta",), 2, (2,)
+    tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages), f"{stages} stage(s)")
     pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
     o = plgpu.kernel(
-        functools.partial(_kda_state_update, num_value_heads=num_value_heads),
-        out_type=jax.ShapeDtypeStruct((num_seqs, num_value_heads, DIM), jnp.float32),
-        grid=(num_seqs * num_value_heads,), grid_names=("pair",),
+        body, out_type=jax.ShapeDtypeStruct((num_seqs, num_value_heads, DIM), jnp.float32),
+        grid=grid, grid_names=names,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((DIM, DIM), state.dtype, transforms=wgmma_operand_transforms(DIM, bits)),
-                       plgpu.SMEM((5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2)],
+        scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state.dtype, transforms=transforms),
+                       plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages)],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), beta.astype(jnp.float32), vecs, pool)
-    state = jax.freeze(pool)
-    return o, state
+    return o, jax.freeze(pool)
 
 
 def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                              out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
-                             eps: float = 1e-5, layer: int | None = None, interpret: bool | None = None):
+                             eps: float = 1e-5, layer: int | None = None, ctas: int | None = None,
+                             interpret: bool | None = None):
     """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
     arguments and returns; ``out_slots [N, 1]``): conv, norms and gate as XLA fusions around
-    :func:`kda_state_update_mgpu`. ``layer`` as in :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
+    :func:`kda_state_update_mgpu` (``ctas`` as there). ``layer`` as in
+    :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
     num_seqs, num_tokens, channels = mixed_qkv.shape
     if num_tokens != 1:
         raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {num_tokens}")
@@ -138,7 +205,7 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
     g = jnp.exp(kda_gate(g_raw.reshape(num_seqs, num_value_heads, head_dim), A_log, dt_bias, lower_bound))
     beta = jax.nn.sigmoid(beta_logits[:, 0].astype(jnp.float32))
     dest = out_slots[:, 0]
-    o, state = kda_state_update_mgpu(state, slots, dest, q, k, g, v, beta, interpret=interpret)
+    o, state = kda_state_update_mgpu(state, slots, dest, q, k, g, v, beta, ctas=ctas, interpret=interpret)
     y = gated_rms_norm(o, gate_logits.reshape(o.shape), o_norm_weight, eps).reshape(num_seqs, 1, -1)
     conv_state = conv_state.at[jnp.where(dest < 0, conv_state.shape[0], dest)].set(
         window[:, 1:].astype(conv_state.dtype), mode="drop")
