@@ -46,7 +46,8 @@ def _update_in_smem(s_smem, vec_smem, beta) -> None:
     def rows(vec: int, half: int):  # a [K/2] slice of q (0), k (1) or g (2) as a per-row factor
         return vec_smem[vec, pl.ds(half * HALF, HALF)]
 
-    def scaled(half: int):  # g * S over one half of the key rows, fp32 [K/2, V]
+    def scaled(half: int):  # g * S over one half of the key rows, fp32 [K/2, V]; formed twice per half (the error's
+        # pass and the update's) rather than kept: re-reading shared memory is cheaper than 128 more registers
         s = s_smem[pl.ds(half * HALF, HALF), :].astype(jnp.float32)
         return s * jax.lax.broadcast_in_dim(rows(2, half), s.shape, [0])
 
@@ -64,7 +65,7 @@ def _update_in_smem(s_smem, vec_smem, beta) -> None:
 
 
 def _load_pair(refs, pair, s_smem, vec_smem, state_barrier, vec_barrier, num_value_heads):
-    """Start the TMA copies of ``pair``'s state (from its slot) and vectors; -> (seq, head, beta, out slot)."""
+    """Start the TMA copies of ``pair``'s state (from its slot) and vectors; -> (seq, head)."""
     slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref = refs
     seq, head = pair // num_value_heads, pair % num_value_heads
     plgpu.copy_gmem_to_smem(state_ref.at[slots_ref[seq], head], s_smem, state_barrier)
