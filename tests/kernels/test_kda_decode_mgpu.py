@@ -4,6 +4,10 @@ and the fused reference, and its CUDA lowering through ``jax.export`` on this CP
 Tolerances: the kernel does fp32 math like the reference, in another summation order (two halves of K), so fp32
 pools agree to 1e-5 of the largest magnitude (observed ~1e-7); a bf16 pool rounds the new state once (2^-8
 relative: bound 2e-2 on the state, and the outputs, computed before that rounding, stay at 1e-5).
+
+Every interpreted call is waited for before anything else is dispatched (:func:`ready`): the Mosaic-GPU interpreter
+runs its kernel through host callbacks, and an eager op dispatched while one is still running deadlocked a 2-core
+CI worker.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from pallas_kernels.kda.reference import fused_recurrent_kda_reference
 from tests.kernels.helpers import assert_close
 
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def ready(results):
+    """``results`` of an interpreted kernel call, computed (see the module docstring)."""
+    return jax.block_until_ready(results)
 
 
 def update_inputs(seed, state_dtype, seqs=3, value_heads=2, slots=6):
@@ -50,8 +59,8 @@ def test_state_update_matches_float64_in_place(state_dtype, ctas):
     x, dtype = update_inputs(0, state_dtype)
     pool = jnp.asarray(x["state"], dtype)
     x["state"] = np.asarray(pool.astype(jnp.float32))  # what the kernel reads
-    o, state = kda_state_update_mgpu(pool, *(jnp.asarray(x[n]) for n in ("slots", "out_slots", "q", "k", "g", "v",
-                                                                          "beta")), ctas=ctas)
+    o, state = ready(kda_state_update_mgpu(pool, *(jnp.asarray(x[n]) for n in ("slots", "out_slots", "q", "k", "g",
+                                                                                "v", "beta")), ctas=ctas))
     o_want, s_want = update_float64(x)
     assert_close(o, o_want, FP32_TOL, "o")
     written = [(n, d) for n, d in enumerate(x["out_slots"]) if d >= 0]
@@ -81,7 +90,7 @@ def test_decode_matches_fused_reference(lower_bound):
     """Conv shift, conv + SiLU, L2 norms, GVA (one q/k head for two value heads), both gates, in place, a moved
     and a skipped write: y and both pools equal the fused reference's."""
     x = decode_inputs(1)
-    ours = fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound)
+    ours = ready(fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound))
     want = fused_recurrent_kda_reference(**x, lower_bound=lower_bound)
     for name, a, b in zip(("y", "conv_state", "state"), ours, want):
         assert_close(a, b, FP32_TOL, name)
@@ -91,7 +100,7 @@ def test_decode_reads_layer_row_of_stacked_weights():
     x = decode_inputs(2)
     per_layer = ("conv_weight", "A_log", "dt_bias", "o_norm_weight")
     stacked = {n: jnp.stack([-x[n], x[n]]) for n in per_layer}
-    ours = fused_recurrent_kda_mgpu(**{**x, **stacked}, layer=1, lower_bound=-5.0)
+    ours = ready(fused_recurrent_kda_mgpu(**{**x, **stacked}, layer=1, lower_bound=-5.0))
     want = fused_recurrent_kda_reference(**x, lower_bound=-5.0)
     for name, a, b in zip(("y", "conv_state", "state"), ours, want):
         assert_close(a, b, FP32_TOL, name)
@@ -132,7 +141,7 @@ def test_decode_dispatch_takes_it_from_its_row_threshold():
     x = decode_inputs(4)
     x = {n: (a[:, 0] if n in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits") else a) for n, a in x.items()
          if n != "out_slots"}
-    ours = fused_recurrent_kda(**x, lower_bound=-5.0, impl="pallas", config=KDADecodeConfig(mgpu_min_rows=6))
+    ours = ready(fused_recurrent_kda(**x, lower_bound=-5.0, impl="pallas", config=KDADecodeConfig(mgpu_min_rows=6)))
     want = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
     for name, a, b in zip(("y", "conv_state", "state"), ours, want):
         assert_close(a, b, FP32_TOL, name)
