@@ -5,8 +5,10 @@ Cases (``--cases``):
 * ``dspark``: the shipped ``tiny`` with a DSpark drafter (``--drafter DIR``; default: the drafter shipped beside
   ``tiny``, else the case is skipped) on code prompts: windows of the held-out standard-library files that
   training never sees (``kimi_jax.training.corpus.token_stream``).
-* ``ngram``: n-gram prompt lookup on a preset's shape with random weights (``--preset``, ``--layers``) on a
-  repetition workload: every prompt repeats a random span, so prompt lookup finds drafts.
+* ``ngram``: n-gram prompt lookup on a preset's shape with random weights (``--preset``, ``--layers``,
+  ``--experts-mxfp4``) on a repetition workload: every prompt repeats a random span. Lookup drafts from the prompt's
+  end, but a random model does not continue the span, so after the first token it mostly finds nothing: on random
+  weights the row measures what speculation costs a step that drafts nothing (acceptance needs trained weights).
 * ``draft_model``: ``tiny`` drafted by a model of the same vocabulary (``--draft-model``, a preset or folder;
   skipped without it) on the code prompts.
 
@@ -27,6 +29,9 @@ status is 1 when a greedy output of the ``dspark`` or ``draft_model`` case diffe
 are reported only: near-ties of a random model may flip between the verification and decode steps' reductions).
 
     python -m serve.bench.spec --drafter DIR --preset kimi-linear-48b --layers 4 --batches 1 16 64
+
+Each runner's pools must hold the largest batch at full length at once (a speculating runner also keeps 1 + k KDA
+states per request), else the bench stops before compiling and names ``--memory-gib``.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default="kimi-linear-48b", help="the ngram case's shape (random weights)")
     p.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
     p.add_argument("--dtype", default="bfloat16", help="the ngram case's parameter dtype")
+    p.add_argument("--experts-mxfp4", action="store_true",
+                   help="the ngram case's routed experts in MXFP4 (K3's format; the 27-layer 48B shape then fits 80 GB)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k (default: the drafter's block for dspark, 4 for ngram and draft_model)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -277,7 +284,14 @@ def build_runner(model, args, spec: dict | None, drafter, max_len: int):
         block_size=bs, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,),
         seq_buckets=tuple(sorted(set(args.batches))), page_buckets=(-(-max_len // bs),),
         memory_budget_bytes=int(args.memory_gib * (1 << 30)), speculative_config=spec)
-    return ModelRunner(model, config, impl=args.impl, drafter=drafter)
+    runner = ModelRunner(model, config, impl=args.impl, drafter=drafter, warm_up=False)
+    held, need = runner.plan.max_concurrent_full_length_requests, max(args.batches)
+    if held < need:  # the runs would queue requests, and per-user tok/s would mean nothing
+        raise ValueError(f"--memory-gib {args.memory_gib}: the {'speculating' if spec else 'plain'} runner's pools "
+                         f"hold {held} requests of {max_len} tokens at once, the largest batch is {need} (speculation "
+                         f"also keeps 1 + k KDA states per request); raise --memory-gib")
+    runner.warm_up()
+    return runner
 
 
 def setup_dspark(args):
@@ -313,17 +327,24 @@ def setup_draft_model(args):
     return lm.model, spec, draft, case_prompts(args)
 
 
+def ngram_config(args):
+    """The ngram case's model config: the preset's first ``--layers`` layers, MXFP4 experts if asked."""
+    from kimi_jax.presets import get_preset
+
+    full = get_preset(args.preset)
+    n = args.layers
+    return full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n],
+                        experts_mxfp4=full.experts_mxfp4 or args.experts_mxfp4)
+
+
 def setup_ngram(args):
     """(model, speculative config, None, prompts) of the ngram case."""
     import jax.numpy as jnp
     from flax import nnx
 
     from kimi_jax.model import KimiModel
-    from kimi_jax.presets import get_preset
 
-    full = get_preset(args.preset)
-    n = args.layers
-    cfg = full.replace(num_layers=n, layer_types=full.layer_types[:n], mlp_types=full.mlp_types[:n])
+    cfg = ngram_config(args)
     model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens or 4,
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}

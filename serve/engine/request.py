@@ -7,6 +7,8 @@ import secrets
 import time
 from typing import Sequence
 
+import numpy as np
+
 from serve.engine.media import cache_key_ids
 from serve.engine.outputs import RequestMetrics
 from serve.engine.sampling_params import SamplingParams, TokenConstraint
@@ -66,6 +68,7 @@ class Request:
         self.output_logprobs: list[dict[int, float]] | None = [] if wants_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         self._all_token_ids = list(self.prompt_token_ids)
+        self._token_bytes: bytearray | None = None  # all_token_ids as int32 bytes, built on first use
         self.media = tuple(media)
         self.media_leases: dict = {}
         self._cache_ids = cache_key_ids(self.prompt_token_ids, self.media) if self.media else self._all_token_ids
@@ -87,6 +90,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then output ids (a live list: do not mutate)."""
         return self._all_token_ids
+
+    def token_bytes(self) -> bytearray:
+        """``all_token_ids`` as int32 bytes (n-gram lookup searches them every step), extended by the tokens
+        appended since the last call rather than rebuilt: converting a 32K-token list costs about 1 ms."""
+        if self._token_bytes is None:
+            self._token_bytes = bytearray()
+        have = len(self._token_bytes) // 4
+        if have < len(self._all_token_ids):
+            self._token_bytes += np.asarray(self._all_token_ids[have:], np.int32).tobytes()
+        return self._token_bytes
 
     @property
     def cache_token_ids(self) -> list[int]:

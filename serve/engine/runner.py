@@ -175,7 +175,8 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
     ``drafting`` (static): False for the buckets whose steps never speculate (every sequence bucket past
     ``disable_by_batch_size``): a DSpark drafter then only caches this step's context and a draft model only
     follows the target, and the step returns no speculation outputs (``spec`` None: nothing more to copy back), so
-    that such steps cost about what they cost without speculation."""
+    that such steps cost about what they cost without speculation. With n-gram drafts (proposed on the host) a
+    step that verifies nothing returns none either."""
     batch = join(unpack(words, layout), optional)
     if batch.step.verify_len and plan is not None:
         chained, sampling = chain_verification(batch.step, batch.sampling, batch.draft_limits, carry)
@@ -201,7 +202,9 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         sampled = _sample_rows(logits, batch, impl, num_top_logprobs, greedy_only, parallel)
         sampled = dataclasses.replace(sampled, finite=jnp.all(jnp.isfinite(logits), axis=-1))
         emitted = jnp.ones(n, jnp.int32)
-        spec = None if plan is None or not drafting else SpecTokens(  # no drafts: no outputs to copy back
+        # no device drafts (n-gram drafts on the host, or past the batch bound): nothing more to copy back
+        on_device = plan is not None and (plan.has_drafter or plan.has_draft_model)
+        spec = None if not (on_device and drafting) else SpecTokens(
             jnp.zeros(n, jnp.int32), sampled.token_ids[:, None], jnp.zeros((n, plan.num_tokens), jnp.int32),
             jnp.zeros(n, jnp.int32))
     if plan is not None and plan.has_draft_model:

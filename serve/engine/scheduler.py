@@ -484,7 +484,8 @@ class Scheduler:
         for request in self.running:
             decoding = request.num_tokens - request.num_computed_tokens == 1
             request.draft_token_ids = (ngram.propose(request.all_token_ids, spec.num_speculative_tokens,
-                                                     spec.prompt_lookup_min, spec.prompt_lookup_max)
+                                                     spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                                     request.token_bytes())
                                        if active and decoding and request.sampling_params.can_speculate else [])
 
     def _speculating(self) -> bool:

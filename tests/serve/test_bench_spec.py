@@ -5,6 +5,7 @@ two: rows with both arms' figures, the greedy check (and a corrupted output that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -110,6 +111,28 @@ def test_cases_without_a_drafter_are_skipped(tmp_path):
     assert bench.main([*ARGV, "--cases", "draft_model", "--out", str(tmp_path)]) == 0
     case = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]
     assert case["rows"] == [] and "--draft-model" in case["skipped"]
+
+
+@pytest.mark.parametrize("budget_bytes, arm", [(50_000, "plain"), (100_000, "speculating")])
+def test_pools_that_cannot_hold_the_batch_are_refused(budget_bytes, arm):
+    """A runner whose pools hold fewer full-length requests than the largest batch would queue some of them and
+    leave an empty timing window: refused before compiling, naming the runner and --memory-gib. At 100 KB the
+    8 requests fit alone (9 KDA slots of 3.2 KB and 33 pages of 1.5 KB), not with 3 drafts' 32 more slots."""
+    args = bench.parse_args([*ARGV, "--batches", "8", "--memory-gib", str(budget_bytes / (1 << 30))])
+    args.block_size = 16
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match=f"the {arm} runner's pools hold .* the largest batch is 8.*--memory-gib"):
+        bench.build_runner(toy_model(), args, spec if arm == "speculating" else None, None, 50)
+
+
+def test_ngram_case_can_take_mxfp4_experts():
+    """``--experts-mxfp4`` puts the 27-layer Kimi-Linear-48B shape (bf16 experts) in 80 GB: the preset's first layers
+    with packed MXFP4 routed experts."""
+    argv = [*ARGV, "--preset", "kimi-linear-48b", "--layers", "27"]
+    plain, packed = bench.ngram_config(bench.parse_args(argv)), bench.ngram_config(bench.parse_args(
+        [*argv, "--experts-mxfp4"]))
+    assert plain.num_layers == packed.num_layers == 27 and not plain.experts_mxfp4 and packed.experts_mxfp4
+    assert dataclasses.replace(packed, experts_mxfp4=False) == plain
 
 
 def test_deadline_and_bad_arguments(tmp_path):

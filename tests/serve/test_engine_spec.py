@@ -23,6 +23,7 @@ import pytest
 from serve.engine import EngineConfig, SamplingParams
 from serve.engine import ngram
 from serve.engine.engine import LLMEngine
+from serve.engine.request import Request
 from serve.engine.runner import ModelRunner
 from serve.engine.spec_config import SpeculativeConfig
 from tests.serve.test_engine_runner import BLOCK, PROMPTS, RUNNER_CONFIG, assert_pools_free, greedy, run, shared_lm
@@ -53,7 +54,7 @@ def oracle(monkeypatch, reference, *, seed=0, wrong=0.25, empty=0.2):
     real lookup, so a request's drafts do not depend on its batch)."""
     continuations = {tuple(PROMPTS[n]): reference[n] for n in PROMPTS}
 
-    def propose(tokens, k, lo, hi):
+    def propose(tokens, k, lo, hi, data=None):
         rng = random.Random(hash((seed, tuple(tokens))))
         for prompt, cont in continuations.items():
             n = len(prompt)
@@ -101,6 +102,40 @@ def test_ngram_prompt_lookup():
     assert ngram.propose([5, 6, 7, 8, 9, 6], 2, 1, 3) == [7, 8]          # the 1-gram "6"
     assert ngram.propose([1, 2, 1, 3, 1, 2], 2, 1, 2) == [1, 3]          # longest n first: "1 2"
     assert ngram.propose([256, 1, 0, 0, 1], 2, 1, 1) == [0, 0]           # byte-aligned matches only
+
+
+def test_ngram_lookup_over_a_requests_growing_token_bytes():
+    """The scheduler passes ``Request.token_bytes``, extended as tokens are appended: the same drafts as converting
+    the whole list, at every length; bytes of another length are refused."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 6, 40).tolist()
+    request = Request("r", prompt, SamplingParams(max_tokens=64))
+    for token in rng.integers(0, 6, 30).tolist():
+        tokens = request.all_token_ids
+        assert ngram.propose(tokens, 4, 2, 5, request.token_bytes()) == ngram.propose(tokens, 4, 2, 5)
+        request.append_output_token(token)
+    assert bytes(request.token_bytes()) == np.asarray(request.all_token_ids, np.int32).tobytes()
+    with pytest.raises(ValueError, match="data holds"):
+        ngram.propose([1, 2, 1, 2], 2, 1, 2, np.asarray([1, 2, 1], np.int32).tobytes())
+
+
+def test_ngram_steps_without_verification_copy_back_no_speculation_outputs(reference, monkeypatch):
+    """N-gram drafts come from the host, so a step that verifies nothing returns only its tokens (each extra output
+    is one more device-to-host copy per step); verification steps return their accepted counts."""
+    oracle(monkeypatch, reference, seed=3, wrong=0.0, empty=0.5)
+    e = engine()
+    seen, apply = [], e.scheduler.update_from_output
+
+    def record(output, sampled):
+        if output.sequences:
+            seen.append((bool(output.verify_len), sampled.spec is None))
+        return apply(output, sampled)
+
+    monkeypatch.setattr(e.scheduler, "update_from_output", record)
+    e.add_request("a", PROMPTS["a"], greedy(NEW))
+    assert outputs(run(e))["a"] == reference["a"]
+    assert (True, False) in seen and (False, True) in seen
+    assert (False, False) not in seen and (True, True) not in seen
 
 
 @pytest.mark.parametrize("seed, wrong, empty", [(0, 0.0, 0.0), (1, 0.3, 0.2), (2, 1.0, 0.0)])
@@ -162,7 +197,7 @@ def test_multi_turn_resume_from_a_verified_state(reference, monkeypatch):
     first = run(e)["t1"].outputs[0].token_ids
     turn2 = PROMPTS["h"] + first + [7, 8, 9]
     want = shared_lm().generate([turn2], max_new_tokens=8, stop_token_ids=[])[0][len(turn2):]
-    monkeypatch.setattr(ngram, "propose", lambda tokens, k, lo, hi: want[len(tokens) - len(turn2):][:k])
+    monkeypatch.setattr(ngram, "propose", lambda tokens, k, lo, hi, data=None: want[len(tokens) - len(turn2):][:k])
     e.add_request("t2", turn2, greedy(8))
     done = run(e)
     assert done["t2"].outputs[0].token_ids == want and done["t2"].metrics.num_cached_tokens > len(PROMPTS["h"])
