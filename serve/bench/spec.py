@@ -9,6 +9,7 @@ Cases (``--cases``):
   ``--experts-mxfp4``) on a repetition workload: every prompt repeats a random span. Lookup drafts from the prompt's
   end, but a random model does not continue the span, so after the first token it mostly finds nothing: on random
   weights the row measures what speculation costs a step that drafts nothing (acceptance needs trained weights).
+  ``--ngram-on-target``: the ngram case on ``--target``'s trained weights and the code prompts instead.
 * ``draft_model``: ``tiny`` drafted by a model of the same vocabulary (``--draft-model``, a preset or folder;
   skipped without it) on the code prompts.
 
@@ -25,7 +26,7 @@ device idles for it unless the step was launched ahead) and the fraction launche
 off at ``disable_by_batch_size`` running requests, as when serving, so the rows at and past it measure that rule.
 
 The JSON (``--out``/bench_spec.json) is rewritten after every row; no run starts after ``--deadline-s``. The exit
-status is 1 when a greedy output of the ``dspark`` or ``draft_model`` case differs (on random weights mismatches
+status is 1 when a greedy output of a case on trained weights differs (on random weights mismatches
 are reported only: near-ties of a random model may flip between the verification and decode steps' reductions).
 
     python -m serve.bench.spec --drafter DIR --preset kimi-linear-48b --layers 4 --batches 1 16 64
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default="kimi-linear-48b", help="the ngram case's shape (random weights)")
     p.add_argument("--layers", type=int, default=4, help="keep the preset's first N layers")
     p.add_argument("--dtype", default="bfloat16", help="the ngram case's parameter dtype")
+    p.add_argument("--ngram-on-target", action="store_true",
+                   help="run the ngram case on --target's trained weights and the code prompts instead of a preset")
     p.add_argument("--experts-mxfp4", action="store_true",
                    help="the ngram case's routed experts in MXFP4 (K3's format; the 27-layer 48B shape then fits 80 GB)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -338,18 +341,22 @@ def ngram_config(args):
 
 
 def setup_ngram(args):
-    """(model, speculative config, None, prompts) of the ngram case."""
+    """(model, speculative config, None, prompts) of the ngram case: a preset's shape with random weights on the
+    repetition prompts, or (``--ngram-on-target``) the trained target on the code prompts."""
     import jax.numpy as jnp
     from flax import nnx
 
+    import kimi_jax
     from kimi_jax.model import KimiModel
 
-    cfg = ngram_config(args)
-    model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens or 4,
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    if args.ngram_on_target:
+        return kimi_jax.load(args.target, args.target_dtype).model, spec, None, case_prompts(args)
+    cfg = ngram_config(args)
+    model = KimiModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
     prompts = repetition_prompts(cfg.vocab_size, max(max(args.batches), args.repeats), args.prompt_len, args.span)
     return model, spec, None, prompts
 
@@ -456,7 +463,7 @@ def _run(args) -> int:
         if report.doc["stopped_by_deadline"]:
             break
         mismatches = run_case(name, SETUPS[name], args, report, start)
-        if name != "ngram":  # trained weights: every greedy output must match
+        if name != "ngram" or args.ngram_on_target:  # trained weights: every greedy output must match
             failed += mismatches
     print(f"[spec bench] wrote {report.path}", flush=True)
     if failed:

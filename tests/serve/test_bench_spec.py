@@ -135,6 +135,16 @@ def test_ngram_case_can_take_mxfp4_experts():
     assert dataclasses.replace(packed, experts_mxfp4=False) == plain
 
 
+def test_ngram_case_on_the_trained_target_takes_the_code_prompts():
+    """``--ngram-on-target``: the shipped ``tiny`` (trained weights, so its greedy mismatches fail the run) on
+    held-out code windows instead of a random preset on the repetition prompts."""
+    args = bench.parse_args([*ARGV, "--ngram-on-target", "--batches", "3"])
+    model, spec, drafter, prompts = bench.setup_ngram(args)
+    assert model.config.vocab_size == load_tokenizer("tiny").vocab_size and drafter is None
+    assert spec["method"] == "ngram" and len(prompts) == 3 and all(len(p) == 12 for p in prompts)
+    assert prompts == bench.code_prompts(load_tokenizer("tiny"), 3, 12)
+
+
 def test_deadline_and_bad_arguments(tmp_path):
     assert bench.main([*ARGV, "--deadline-s", "0", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_spec.json").read_text())
