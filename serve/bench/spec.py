@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.repeats < 1 or args.new_tokens < 2 or args.prompt_len < 2:
         p.error("--batches, --repeats must be >= 1 and --new-tokens, --prompt-len >= 2")
+    if args.ngram_on_target and args.experts_mxfp4:
+        p.error("--experts-mxfp4 shapes the random preset; --ngram-on-target takes the target's own weights")
     if not 1 <= args.span <= (args.prompt_len - 1) // 2:
         p.error("--span must be in [1, (--prompt-len - 1) / 2]: a prompt holds its span at least twice")
     return args

@@ -149,7 +149,7 @@ def test_deadline_and_bad_arguments(tmp_path):
     assert bench.main([*ARGV, "--deadline-s", "0", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_spec.json").read_text())
     assert doc["stopped_by_deadline"] and doc["cases"] == []
-    for bad in (["--span", "6"], ["--repeats", "0"]):
+    for bad in (["--span", "6"], ["--repeats", "0"], ["--ngram-on-target", "--experts-mxfp4"]):
         with pytest.raises(SystemExit):
             bench.parse_args([*ARGV, *bad])
 
