@@ -19,7 +19,7 @@ def propose(tokens: Sequence[int], k: int, lo: int, hi: int, data: bytes | bytea
     if len(buf) != 4 * n_tokens:
         raise ValueError(f"propose: data holds {len(buf) // 4} tokens, tokens {n_tokens}")
     for n in range(min(hi, n_tokens - 1), lo - 1, -1):
-        pattern = bytes(buf[-4 * n:])
+        pattern = buf[-4 * n:]
         end = len(buf) - 4  # the match must end before the last token, so at least one token follows it
         while True:
             at = buf.rfind(pattern, 0, end)

@@ -68,7 +68,7 @@ class Request:
         self.output_logprobs: list[dict[int, float]] | None = [] if wants_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if wants_logprobs else None
         self._all_token_ids = list(self.prompt_token_ids)
-        self._token_bytes: bytearray | None = None  # all_token_ids as int32 bytes, built on first use
+        self._token_bytes = bytearray()  # all_token_ids as int32 bytes, filled on first use (token_bytes)
         self.media = tuple(media)
         self.media_leases: dict = {}
         self._cache_ids = cache_key_ids(self.prompt_token_ids, self.media) if self.media else self._all_token_ids
@@ -94,8 +94,6 @@ class Request:
     def token_bytes(self) -> bytearray:
         """``all_token_ids`` as int32 bytes (n-gram lookup searches them every step), extended by the tokens
         appended since the last call rather than rebuilt: converting a 32K-token list costs about 1 ms."""
-        if self._token_bytes is None:
-            self._token_bytes = bytearray()
         have = len(self._token_bytes) // 4
         if have < len(self._all_token_ids):
             self._token_bytes += np.asarray(self._all_token_ids[have:], np.int32).tobytes()
