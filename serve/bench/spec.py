@@ -10,6 +10,9 @@ Cases (``--cases``):
   end, but a random model does not continue the span, so after the first token it mostly finds nothing: on random
   weights the row measures what speculation costs a step that drafts nothing (acceptance needs trained weights).
   ``--ngram-on-target``: the ngram case on ``--target``'s trained weights and the code prompts instead.
+  ``--oracle-correct N ...``: more speculating arms on the same runner whose host drafts are the plain arm's next k
+  greedy tokens for the same prompt with only the first N kept (the rest shifted, so rejected): the engine's
+  verification path at a set acceptance, which random weights cannot give; reported under the row's ``oracle``.
 * ``draft_model``: ``tiny`` drafted by a model of the same vocabulary (``--draft-model``, a preset or folder;
   skipped without it) on the code prompts.
 
@@ -57,6 +60,7 @@ class Arm:
     name: str
     runner: object
     spec: dict | None
+    oracle: int | None = None  # oracle arms: how many of the k drafts are the plain arm's tokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--span", type=int, default=24, help="ngram workload: tokens of the span each prompt repeats")
+    p.add_argument("--oracle-correct", type=int, nargs="+", default=[], metavar="N",
+                   help="ngram case: one more speculating arm per N whose drafts are the plain arm's next k greedy "
+                        "tokens with the first N kept and the rest made wrong (verification at a set acceptance)")
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=None, help="tokens per page (default: 64 on GPU, 16 on CPU)")
     p.add_argument("--memory-gib", type=float, default=4.0, help="cache pools of each runner")
@@ -107,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batches, --repeats must be >= 1 and --new-tokens, --prompt-len >= 2")
     if args.ngram_on_target and args.experts_mxfp4:
         p.error("--experts-mxfp4 shapes the random preset; --ngram-on-target takes the target's own weights")
+    if args.oracle_correct and ("ngram" not in args.cases or min(args.oracle_correct) < 0
+                                or max(args.oracle_correct) > (args.num_speculative_tokens or 4)):
+        p.error("--oracle-correct needs the ngram case and values in [0, --num-speculative-tokens (default 4)]")
     if not 1 <= args.span <= (args.prompt_len - 1) // 2:
         p.error("--span must be in [1, (--prompt-len - 1) / 2]: a prompt holds its span at least twice")
     return args
@@ -154,9 +164,23 @@ def repetition_prompts(vocab: int, count: int, length: int, span: int, seed: int
     return prompts
 
 
-def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> dict:
+def oracle_drafter(futures: dict[str, list[int]], k: int, correct: int, vocab: int):
+    """The host drafter of an oracle arm: request -> the next ``k`` tokens of the plain arm's greedy output for
+    the same prompt (``futures[request_id]``), the first ``correct`` as they are, the rest shifted by one (so a
+    verification accepts exactly ``correct`` while the outputs agree)."""
+    def propose(request) -> list[int]:
+        done = request.num_output_tokens
+        ahead = futures[request.request_id][done:done + k]
+        return ahead[:correct] + [(t + 1) % vocab for t in ahead[correct:]]
+
+    return propose
+
+
+def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str,
+              futures: list[list[int]] | None = None) -> dict:
     """Decode ``prompts`` to ``new_tokens`` greedy tokens each on a fresh engine of ``arm`` -> timing, outputs,
-    the run's acceptance and whether the pools ended free."""
+    the run's acceptance and whether the pools ended free. An oracle arm drafts from ``futures`` (the plain
+    arm's outputs for the same prompts)."""
     from serve.engine.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams
@@ -167,6 +191,7 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
     engine = LLMEngine(runner, config=config)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    _install_oracle(engine, arm, ids, futures)
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     requests = [engine.scheduler.requests[i] for i in ids]
@@ -200,7 +225,14 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str) -> 
                 accepted_per_pos=[b - a for a, b in zip(spec_before[2], spec_after[2])], pools_free=engine.is_idle())
 
 
-def step_device_ms(arm: Arm, prompts: list[list[int]], repeats: int = 30) -> dict:
+def _install_oracle(engine, arm: Arm, ids: list[str], futures: list[list[int]] | None) -> None:
+    if arm.oracle is not None:
+        engine.scheduler.host_drafter = oracle_drafter(dict(zip(ids, futures)), arm.spec["num_speculative_tokens"],
+                                                       arm.oracle, arm.runner.model_config.vocab_size)
+
+
+def step_device_ms(arm: Arm, prompts: list[list[int]], futures: list[list[int]] | None = None,
+                   repeats: int = 30) -> dict:
     """Device time of one steady-state step of ``arm`` at this batch: a fresh engine decodes until every request
     has 8 tokens, then the last launched step (a verification step when the arm speculates) is relaunched
     ``repeats`` times back to back (``ModelRunner.time_step``); the requests are then aborted."""
@@ -213,6 +245,7 @@ def step_device_ms(arm: Arm, prompts: list[list[int]], repeats: int = 30) -> dic
                                                    max_num_batched_tokens=runner.config.max_num_batched_tokens,
                                                    speculative_config=arm.spec))
     ids = [f"time-{i}" for i in range(len(prompts))]
+    _install_oracle(engine, arm, ids, futures)
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     requests = [engine.scheduler.requests[i] for i in ids]
@@ -405,15 +438,17 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
     max_len = args.prompt_len + args.new_tokens + 2 * args.block_size
     arms = [Arm("plain", build_runner(model, args, None, None, max_len), None),
             Arm("spec", build_runner(model, args, spec, drafter, max_len), spec)]
+    if name == "ngram":  # the oracle arms share the speculating runner
+        arms += [Arm(f"oracle{n}", arms[1].runner, spec, oracle=n) for n in args.oracle_correct]
     case.update(spec_config=spec, layers=model.config.num_layers, vocab=model.config.vocab_size,
-                setup_s=time.perf_counter() - t0, executables=[a.runner.num_executables for a in arms],
-                warm_up_s=[a.runner.warm_up_seconds for a in arms])
+                setup_s=time.perf_counter() - t0, executables=[a.runner.num_executables for a in arms[:2]],
+                warm_up_s=[a.runner.warm_up_seconds for a in arms[:2]])
     print(f"[spec bench] {name}: {jax.devices()[0].device_kind}, {spec}; setup {case['setup_s']:.1f}s", flush=True)
     compiles = backend_compile_count()
     mismatches = 0
     for batch in args.batches:
-        runs = {"plain": [], "spec": []}
-        found: list[dict] = []
+        runs = {arm.name: [] for arm in arms}
+        found: dict[str, list[dict]] = {arm.name: [] for arm in arms[1:]}
         for repeat in range(args.repeats):
             if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
                 report.doc["stopped_by_deadline"] = True
@@ -421,18 +456,29 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
             first = repeat * batch % len(prompts)
             chosen = (prompts[first:] + prompts[:first])[:batch]  # batch-1 repeats: different prompts
             for arm in arms:
-                runs[arm.name].append(run_batch(arm, chosen, args.new_tokens, f"{arm.name}-{repeat}"))
-            found += compare(runs["plain"][-1]["outputs"], runs["spec"][-1]["outputs"])
+                futures = runs["plain"][-1]["outputs"] if arm.oracle is not None else None
+                runs[arm.name].append(run_batch(arm, chosen, args.new_tokens, f"{arm.name}-{repeat}", futures))
+            for arm in arms[1:]:
+                found[arm.name] += compare(runs["plain"][-1]["outputs"], runs[arm.name][-1]["outputs"])
         if not runs["spec"]:
             break
-        row = summarize(batch, runs["plain"], runs["spec"], found)
+        row = summarize(batch, runs["plain"], runs["spec"], found["spec"])
+        oracles = [arm for arm in arms if arm.oracle is not None]
+        if oracles:
+            row["oracle"] = {str(arm.oracle): {k: v for k, v in summarize(
+                batch, runs["plain"], runs[arm.name], found[arm.name]).items() if not k.startswith("plain")}
+                for arm in oracles}
         if args.step_timing:
-            row["step_device_ms"] = {arm.name: step_device_ms(arm, prompts[:batch]) for arm in arms}
+            first_plain = runs["plain"][0]["outputs"]  # repeat 0 decoded prompts[:batch]
+            row["step_device_ms"] = {arm.name: step_device_ms(arm, prompts[:batch], first_plain) for arm in arms}
         mismatches += row["greedy_mismatches"]
         case["rows"].append(row)
         case["compiles_while_running"] = backend_compile_count() - compiles
         report.write()
-        print(json.dumps({k: v for k, v in row.items() if k != "mismatch_examples"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("mismatch_examples", "oracle")}), flush=True)
+        for n, sub in row.get("oracle", {}).items():
+            print(f"[spec bench] oracle {n} correct: {sub['speedup']:.2f}x, acceptance length "
+                  f"{sub['mean_acceptance_length']:.2f}, {sub['greedy_mismatches']} greedy differences", flush=True)
         if report.doc["stopped_by_deadline"]:
             break
     return mismatches

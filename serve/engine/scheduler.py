@@ -197,6 +197,8 @@ class Scheduler:
         self.draft_lookahead = draft_lookahead
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * speculative.num_speculative_tokens) \
             if speculative else None
+        # The ngram method's drafts, request -> up to k token ids: prompt lookup (a bench may substitute an oracle)
+        self.host_drafter = self._ngram_lookup
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
@@ -396,7 +398,7 @@ class Scheduler:
             changed.append(request)
         self.cache.release_step_pins()
         if self.speculative is not None and self.speculative.method == "ngram":
-            self._propose_ngrams()
+            self._propose_host_drafts()
         return changed
 
     # ---- failures ----
@@ -477,16 +479,20 @@ class Scheduler:
         return {"scrub_blocks": sorted(set(blocks)), "scrub_slots": sorted(set(slots))}
 
     # ---- speculative decoding ----
-    def _propose_ngrams(self) -> None:
+    def _propose_host_drafts(self) -> None:
         """Host drafts for every decoding request that may speculate (when the next step can verify)."""
         spec = self.speculative
         active = spec.speculates(len(self.running))
         for request in self.running:
             decoding = request.num_tokens - request.num_computed_tokens == 1
-            request.draft_token_ids = (ngram.propose(request.all_token_ids, spec.num_speculative_tokens,
-                                                     spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                                     request.token_bytes())
+            request.draft_token_ids = (self.host_drafter(request)
                                        if active and decoding and request.sampling_params.can_speculate else [])
+
+    def _ngram_lookup(self, request: Request) -> list[int]:
+        """N-gram prompt lookup over the request's prompt and output so far."""
+        spec = self.speculative
+        return ngram.propose(request.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max, request.token_bytes())
 
     def _speculating(self) -> bool:
         """Drafts are verified in the next step (the batch is small enough) for some running request."""

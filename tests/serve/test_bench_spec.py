@@ -92,11 +92,25 @@ def test_every_case_reports_both_arms_with_identical_greedy_outputs(toy, tmp_pat
     assert all(r["mean_acceptance_length"] > 2.0 for r in twin)  # the target's own drafts: nearly all accepted
 
 
+def test_oracle_arms_verify_at_the_acceptance_they_set(toy, tmp_path):
+    """``--oracle-correct 3 1`` (k = 3): drafts from the plain arm's own greedy outputs, all or only the first
+    kept. Every verification accepts exactly that many while outputs agree (the last step of a request may
+    have fewer tokens left to draft), and greedy outputs stay identical."""
+    argv = [*ARGV, "--cases", "ngram", "--new-tokens", "13", "--oracle-correct", "3", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    row = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]["rows"][0]
+    full, first = row["oracle"]["3"], row["oracle"]["1"]
+    assert full["greedy_mismatches"] == first["greedy_mismatches"] == 0 and full["pools_free"]
+    assert full["acceptance_rate_per_position"][0] == 1.0 and 3.0 < full["mean_acceptance_length"] <= 4.0
+    assert first["acceptance_rate_per_position"] == [1.0, 0.0, 0.0] and first["mean_acceptance_length"] == 2.0
+    assert full["verification_steps"] > 0 and full["verification_steps"] < first["verification_steps"]
+
+
 def test_a_differing_greedy_output_fails_the_dspark_case(toy, tmp_path, monkeypatch):
     run = bench.run_batch
 
-    def corrupted(arm, prompts, new_tokens, tag):
-        result = run(arm, prompts, new_tokens, tag)
+    def corrupted(arm, prompts, new_tokens, tag, futures=None):
+        result = run(arm, prompts, new_tokens, tag, futures)
         if arm.spec is not None:
             result["outputs"][0][2] += 1
         return result
@@ -149,7 +163,8 @@ def test_deadline_and_bad_arguments(tmp_path):
     assert bench.main([*ARGV, "--deadline-s", "0", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "bench_spec.json").read_text())
     assert doc["stopped_by_deadline"] and doc["cases"] == []
-    for bad in (["--span", "6"], ["--repeats", "0"], ["--ngram-on-target", "--experts-mxfp4"]):
+    for bad in (["--span", "6"], ["--repeats", "0"], ["--ngram-on-target", "--experts-mxfp4"],
+                ["--oracle-correct", "5"], ["--cases", "dspark", "--oracle-correct", "1"]):
         with pytest.raises(SystemExit):
             bench.parse_args([*ARGV, *bad])
 
