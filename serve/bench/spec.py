@@ -10,9 +10,13 @@ Cases (``--cases``):
   end, but a random model does not continue the span, so after the first token it mostly finds nothing: on random
   weights the row measures what speculation costs a step that drafts nothing (acceptance needs trained weights).
   ``--ngram-on-target``: the ngram case on ``--target``'s trained weights and the code prompts instead.
-  ``--oracle-correct N ...``: more speculating arms on the same runner whose host drafts are the plain arm's next k
-  greedy tokens for the same prompt with only the first N kept (the rest shifted, so rejected): the engine's
+  ``--oracle-correct N ...``: more speculating arms on the same runner whose host drafts are the next k tokens of a
+  known greedy output for the same prompt with only the first N kept (the rest shifted, so rejected): the engine's
   verification path at a set acceptance, which random weights cannot give; reported under the row's ``oracle``.
+  The known output starts as the plain arm's. A random bf16 model's near-ties flip between verification and decode
+  reductions, after which such drafts would all be rejected, so an oracle arm reruns with its own last output as
+  the known one until a run reproduces the tokens it drafted from (a fixed point, reached in a few runs; only that
+  run is timed): its acceptance is then exactly N per verification step.
 * ``draft_model``: ``tiny`` drafted by a model of the same vocabulary (``--draft-model``, a preset or folder;
   skipped without it) on the code prompts.
 
@@ -165,8 +169,8 @@ def repetition_prompts(vocab: int, count: int, length: int, span: int, seed: int
 
 
 def oracle_drafter(futures: dict[str, list[int]], k: int, correct: int, vocab: int):
-    """The host drafter of an oracle arm: request -> the next ``k`` tokens of the plain arm's greedy output for
-    the same prompt (``futures[request_id]``), the first ``correct`` as they are, the rest shifted by one (so a
+    """The host drafter of an oracle arm: request -> the next ``k`` tokens of a known greedy output for the same
+    prompt (``futures[request_id]``), the first ``correct`` as they are, the rest shifted by one (so a
     verification accepts exactly ``correct`` while the outputs agree)."""
     def propose(request) -> list[int]:
         done = request.num_output_tokens
@@ -176,11 +180,25 @@ def oracle_drafter(futures: dict[str, list[int]], k: int, correct: int, vocab: i
     return propose
 
 
+def run_oracle(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str, futures: list[list[int]],
+               max_runs: int = 16) -> dict:
+    """``run_batch`` of an oracle arm, drafting first from ``futures`` (the plain arm's outputs) and then from its
+    own previous output until its outputs equal the ones it drafted from -> the last run, with ``oracle_runs``
+    and ``fixed_point`` (False when ``max_runs`` ran out first)."""
+    for done in range(1, max_runs + 1):
+        result = run_batch(arm, prompts, new_tokens, f"{tag}-{done}", futures)
+        settled = result["outputs"] == futures
+        if settled:
+            break
+        futures = result["outputs"]
+    return dict(result, oracle_runs=done, fixed_point=settled)
+
+
 def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str,
               futures: list[list[int]] | None = None) -> dict:
     """Decode ``prompts`` to ``new_tokens`` greedy tokens each on a fresh engine of ``arm`` -> timing, outputs,
-    the run's acceptance and whether the pools ended free. An oracle arm drafts from ``futures`` (the plain
-    arm's outputs for the same prompts)."""
+    the run's acceptance and whether the pools ended free. An oracle arm drafts from ``futures`` (known greedy
+    outputs for the same prompts)."""
     from serve.engine.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams
@@ -456,8 +474,9 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
             first = repeat * batch % len(prompts)
             chosen = (prompts[first:] + prompts[:first])[:batch]  # batch-1 repeats: different prompts
             for arm in arms:
-                futures = runs["plain"][-1]["outputs"] if arm.oracle is not None else None
-                runs[arm.name].append(run_batch(arm, chosen, args.new_tokens, f"{arm.name}-{repeat}", futures))
+                tag = f"{arm.name}-{repeat}"
+                runs[arm.name].append(run_batch(arm, chosen, args.new_tokens, tag) if arm.oracle is None else
+                                      run_oracle(arm, chosen, args.new_tokens, tag, runs["plain"][-1]["outputs"]))
             for arm in arms[1:]:
                 found[arm.name] += compare(runs["plain"][-1]["outputs"], runs[arm.name][-1]["outputs"])
         if not runs["spec"]:
@@ -465,12 +484,14 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
         row = summarize(batch, runs["plain"], runs["spec"], found["spec"])
         oracles = [arm for arm in arms if arm.oracle is not None]
         if oracles:
-            row["oracle"] = {str(arm.oracle): {k: v for k, v in summarize(
-                batch, runs["plain"], runs[arm.name], found[arm.name]).items() if not k.startswith("plain")}
-                for arm in oracles}
-        if args.step_timing:
-            first_plain = runs["plain"][0]["outputs"]  # repeat 0 decoded prompts[:batch]
-            row["step_device_ms"] = {arm.name: step_device_ms(arm, prompts[:batch], first_plain) for arm in arms}
+            row["oracle"] = {str(arm.oracle): dict(
+                {k: v for k, v in summarize(batch, runs["plain"], runs[arm.name], found[arm.name]).items()
+                 if not k.startswith("plain")},
+                runs_to_fixed_point=[r["oracle_runs"] for r in runs[arm.name]],
+                fixed_point=all(r["fixed_point"] for r in runs[arm.name])) for arm in oracles}
+        if args.step_timing:  # repeat 0 decoded prompts[:batch]; an oracle arm drafts its own output there
+            row["step_device_ms"] = {arm.name: step_device_ms(arm, prompts[:batch], runs[arm.name][0]["outputs"])
+                                     for arm in arms}
         mismatches += row["greedy_mismatches"]
         case["rows"].append(row)
         case["compiles_while_running"] = backend_compile_count() - compiles
@@ -478,7 +499,9 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
         print(json.dumps({k: v for k, v in row.items() if k not in ("mismatch_examples", "oracle")}), flush=True)
         for n, sub in row.get("oracle", {}).items():
             print(f"[spec bench] oracle {n} correct: {sub['speedup']:.2f}x, acceptance length "
-                  f"{sub['mean_acceptance_length']:.2f}, {sub['greedy_mismatches']} greedy differences", flush=True)
+                  f"{sub['mean_acceptance_length']:.2f}, runs to a fixed point {sub['runs_to_fixed_point']} "
+                  f"(reached: {sub['fixed_point']}), {sub['greedy_mismatches']} outputs differ from the plain arm's",
+                  flush=True)
         if report.doc["stopped_by_deadline"]:
             break
     return mismatches

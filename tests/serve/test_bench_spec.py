@@ -101,9 +101,35 @@ def test_oracle_arms_verify_at_the_acceptance_they_set(toy, tmp_path):
     row = json.loads((tmp_path / "bench_spec.json").read_text())["cases"][0]["rows"][0]
     full, first = row["oracle"]["3"], row["oracle"]["1"]
     assert full["greedy_mismatches"] == first["greedy_mismatches"] == 0 and full["pools_free"]
+    assert full["runs_to_fixed_point"] == first["runs_to_fixed_point"] == [1] and full["fixed_point"]
     assert full["acceptance_rate_per_position"][0] == 1.0 and 3.0 < full["mean_acceptance_length"] <= 4.0
     assert first["acceptance_rate_per_position"] == [1.0, 0.0, 0.0] and first["mean_acceptance_length"] == 2.0
     assert full["verification_steps"] > 0 and full["verification_steps"] < first["verification_steps"]
+
+
+def test_an_oracle_arm_reruns_until_it_reproduces_what_it_drafted(monkeypatch):
+    """An oracle arm whose output left the known one (a near-tie flipped) drafts its own output next time, until a
+    run's outputs equal the ones it drafted from; only that run is returned. One that never settles stops at
+    ``max_runs`` and says so."""
+    drafted_from = []
+
+    def flips_once_per_run(arm, prompts, new_tokens, tag, futures):
+        drafted_from.append(futures)
+        out = [list(f) for f in futures]
+        if len(drafted_from) <= 2:  # runs 1 and 2 flip a later token each; run 3 reproduces its drafts
+            out[0][len(drafted_from)] += 1
+        return dict(outputs=out, tag=tag)
+
+    monkeypatch.setattr(bench, "run_batch", flips_once_per_run)
+    arm = bench.Arm("oracle4", None, {"num_speculative_tokens": 4}, oracle=4)
+    result = bench.run_oracle(arm, [[1, 2]], 4, "o-0", [[5, 6, 7, 8]])
+    assert result["oracle_runs"] == 3 and result["fixed_point"] and result["tag"] == "o-0-3"
+    assert drafted_from == [[[5, 6, 7, 8]], [[5, 7, 7, 8]], [[5, 7, 8, 8]]] and result["outputs"] == [[5, 7, 8, 8]]
+
+    monkeypatch.setattr(bench, "run_batch", lambda arm, prompts, n, tag, futures: dict(
+        outputs=[[t + 1 for t in futures[0]]]))
+    result = bench.run_oracle(arm, [[1, 2]], 4, "o-1", [[5, 6, 7, 8]], max_runs=3)
+    assert result["oracle_runs"] == 3 and not result["fixed_point"]
 
 
 def test_a_differing_greedy_output_fails_the_dspark_case(toy, tmp_path, monkeypatch):
