@@ -43,14 +43,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    """Seconds until ``/health`` answers 200; RuntimeError when the server exits or the timeout passes."""
+class ServerExited(RuntimeError):
+    """The server process ended before it was ready (a later launch would fail the same way)."""
+
+
+def last_line(path: str) -> str:
+    """The last non-blank line of a log file ('' if none)."""
+    with open(path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> float:
+    """Seconds until ``/health`` answers 200; ServerExited (with the log's last line) when the server exits,
+    RuntimeError when the timeout passes."""
     import httpx
 
     start = time.perf_counter()
     while time.perf_counter() - start < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+            raise ServerExited(f"the server exited with status {proc.returncode} before it was ready: "
+                               f"{last_line(log_path)}")
         try:
             if httpx.get(base + "/health", timeout=2.0).status_code == 200:
                 return time.perf_counter() - start
@@ -103,7 +116,7 @@ def launch(args, cache_dir: str, index: int) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(args.port), *args.serve_args], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            row = dict(launch=index, ready_s=wait_ready(base, proc, args.timeout_s))
+            row = dict(launch=index, ready_s=wait_ready(base, proc, args.timeout_s, log_path))
             row.update(timed_requests(base, served_model(base), args.max_tokens))
             row["compiles_after_warm_up"] = compiles_after_warm_up(base)
         finally:
@@ -124,14 +137,17 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, _OUT_NAME)
     failed = 0
     for index in range(args.launches):
+        exited = False
         try:
             row = launch(args, cache, index)
-        except Exception as err:  # noqa: BLE001 - reported in the JSON, the run goes on
-            row, failed = dict(launch=index, error=str(err)), failed + 1
+        except Exception as err:  # noqa: BLE001 - reported in the JSON; a launch past a timeout reuses the cache
+            row, failed, exited = dict(launch=index, error=str(err)), failed + 1, isinstance(err, ServerExited)
         doc["launches"].append(row)
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
         print(json.dumps(row), flush=True)
+        if exited:  # a server that cannot start will not start next time either
+            break
     return 1 if failed or any(r.get("compiles_after_warm_up") for r in doc["launches"]) else 0
 
 
