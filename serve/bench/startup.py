@@ -6,7 +6,8 @@ cold start that compiles every step shape; on a GPU later ones load the compiled
 launch records: seconds from the process start to ``/health`` answering 200 (weights, pools and warm-up), the
 latency of the first and second requests (a greedy completion of ``--max-tokens`` tokens and a chat turn, each
 sent twice), and ``kimi_jax:compiles_after_warm_up`` from ``/metrics`` after them (0: no request compiled
-anything). Everything after ``--`` is passed to ``kimi-jax serve``.
+anything). Everything after ``--`` is passed to ``kimi-jax serve``. A server that exits before it is ready ends
+the run, its log's last line in the error; one that times out does not (the next launch reuses what it compiled).
 
     python -m serve.bench.startup --launches 2 -- tiny --max-num-seqs 16
 """
