@@ -64,7 +64,7 @@ class Arm:
     name: str
     runner: object
     spec: dict | None
-    oracle: int | None = None  # oracle arms: how many of the k drafts are the plain arm's tokens
+    oracle: int | None = None  # oracle arms: how many of the k drafts are a known output's tokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,8 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--span", type=int, default=24, help="ngram workload: tokens of the span each prompt repeats")
     p.add_argument("--oracle-correct", type=int, nargs="+", default=[], metavar="N",
-                   help="ngram case: one more speculating arm per N whose drafts are the plain arm's next k greedy "
-                        "tokens with the first N kept and the rest made wrong (verification at a set acceptance)")
+                   help="ngram case: one more speculating arm per N whose drafts are the next k tokens of a known "
+                        "greedy output with the first N kept and the rest made wrong (verification at a set "
+                        "acceptance; the known output is the plain arm's, then the arm's own until it repeats)")
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=None, help="tokens per page (default: 64 on GPU, 16 on CPU)")
     p.add_argument("--memory-gib", type=float, default=4.0, help="cache pools of each runner")
