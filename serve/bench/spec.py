@@ -39,7 +39,9 @@ are reported only: near-ties of a random model may flip between the verification
     python -m serve.bench.spec --drafter DIR --preset kimi-linear-48b --layers 4 --batches 1 16 64
 
 Each runner's pools must hold the largest batch at full length at once (a speculating runner also keeps 1 + k KDA
-states per request), else the bench stops before compiling and names ``--memory-gib``.
+states per request), else the bench stops before compiling and names ``--memory-gib``. ``--executable-cache DIR``
+keeps each runner's compiled steps as they finish (``serve.engine.executable_cache``): a run cut short by a time
+limit leaves them for the next, which loads them without tracing.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "of the held-out code stream, which depends on this Python's standard library)")
     p.add_argument("--write-prompts", default=None, metavar="JSON",
                    help="write the code prompts used to this file (for --prompts on another machine)")
+    p.add_argument("--executable-cache", default=None, metavar="DIR",
+                   help="keep the runners' compiled steps in DIR and load them on the next run (no tracing, no "
+                        "compiling: a rerun after a set-up cut short only compiles what is missing)")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="add an XLA compile option to the engine's GPU executables, e.g. xla_gpu_autotune_level=0")
     p.add_argument("--step-timing", action="store_true",
@@ -332,6 +337,8 @@ def summarize(batch: int, plain: list[dict], spec: list[dict], mismatches: list[
 
 
 def build_runner(model, args, spec: dict | None, drafter, max_len: int):
+    """A warm runner of the case's engine config (speculating when ``spec``); ValueError naming --memory-gib,
+    before compiling, when its pools cannot hold the largest batch at full length."""
     from serve.engine.config import EngineConfig
     from serve.engine.runner import ModelRunner
 
@@ -340,14 +347,15 @@ def build_runner(model, args, spec: dict | None, drafter, max_len: int):
         max_model_len=max_len, max_num_seqs=max(args.batches), max_num_batched_tokens=args.prefill_chunk,
         block_size=bs, enable_prefix_caching=False, token_buckets=(args.prefill_chunk,),
         seq_buckets=tuple(sorted(set(args.batches))), page_buckets=(-(-max_len // bs),),
-        memory_budget_bytes=int(args.memory_gib * (1 << 30)), speculative_config=spec)
+        memory_budget_bytes=int(args.memory_gib * (1 << 30)), speculative_config=spec,
+        executable_cache_dir=args.executable_cache)
     runner = ModelRunner(model, config, impl=args.impl, drafter=drafter, warm_up=False)
     held, need = runner.plan.max_concurrent_full_length_requests, max(args.batches)
     if held < need:  # the runs would queue requests, and per-user tok/s would mean nothing
         raise ValueError(f"--memory-gib {args.memory_gib}: the {'speculating' if spec else 'plain'} runner's pools "
                          f"hold {held} requests of {max_len} tokens at once, the largest batch is {need} (speculation "
                          f"also keeps 1 + k KDA states per request); raise --memory-gib")
-    runner.warm_up()
+    runner.warm_up()  # one runner at a time: running each step once at the end needs its largest step's memory
     return runner
 
 

@@ -165,6 +165,18 @@ def test_pools_that_cannot_hold_the_batch_are_refused(budget_bytes, arm):
         bench.build_runner(toy_model(), args, spec if arm == "speculating" else None, None, 50)
 
 
+def test_the_executable_cache_reaches_the_runners(tmp_path, monkeypatch):
+    """``--executable-cache DIR`` becomes the runners' ``executable_cache_dir`` (a rerun loads their steps instead of
+    tracing them; the CPU client may refuse to store some, so only the plumbing is checked here)."""
+    from serve.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self: None)
+    args = bench.parse_args([*ARGV, "--executable-cache", str(tmp_path / "exec")])
+    args.block_size = 16
+    assert bench.build_runner(toy_model(), args, None, None, 50).config.executable_cache_dir == str(tmp_path / "exec")
+    assert bench.parse_args(ARGV).executable_cache is None
+
+
 def test_ngram_case_can_take_mxfp4_experts():
     """``--experts-mxfp4`` puts the 27-layer Kimi-Linear-48B shape (bf16 experts) in 80 GB: the preset's first layers
     with packed MXFP4 routed experts."""
