@@ -203,8 +203,7 @@ def _run_step(graphdef, treedef, impl, num_top_logprobs, layout: PackedLayout, g
         sampled = dataclasses.replace(sampled, finite=jnp.all(jnp.isfinite(logits), axis=-1))
         emitted = jnp.ones(n, jnp.int32)
         # no device drafts (n-gram drafts on the host, or past the batch bound): nothing more to copy back
-        on_device = plan is not None and (plan.has_drafter or plan.has_draft_model)
-        spec = None if not (on_device and drafting) else SpecTokens(
+        spec = None if not (plan is not None and plan.on_device and drafting) else SpecTokens(
             jnp.zeros(n, jnp.int32), sampled.token_ids[:, None], jnp.zeros((n, plan.num_tokens), jnp.int32),
             jnp.zeros(n, jnp.int32))
     if plan is not None and plan.has_draft_model:

@@ -71,6 +71,11 @@ class SpecPlan:
     def has_draft_model(self) -> bool:
         return self.method == "draft_model"
 
+    @property
+    def on_device(self) -> bool:
+        """Drafts come out of the step executable (``SpeculativeConfig.on_device``), not from the host."""
+        return self.has_drafter or self.has_draft_model
+
 
 def verify_rows(logits: jax.Array, step: StepInputs, sampling: SamplingTensors, prev_draft_probs: jax.Array | None,
                 draft_rows: jax.Array, plan: SpecPlan, *, greedy_only: bool) -> tuple[SampledTokens, SpecTokens]:
