@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="k (default: the drafter's block for dspark, 4 for ngram and draft_model)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative_config.disable_by_batch_size (default: the config's own)")
+    p.add_argument("--min-acceptance-length", type=float, default=None,
+                   help="speculative_config.min_acceptance_length (default: the method's own; 0: never pause "
+                        "drafting; an oracle arm whose 1 + N is below it pauses too)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--repeats", type=int, default=3, help="runs per arm and batch, interleaved")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -371,10 +374,14 @@ def setup_dspark(args):
     lm = kimi_jax.load(args.target, args.target_dtype)
     drafter = load_drafter(folder, lm.model)
     k = args.num_speculative_tokens or drafter.config.num_drafts
-    spec = {"method": "dspark", "model": folder, "num_speculative_tokens": k}
-    if args.disable_by_batch_size is not None:
-        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    spec = {"method": "dspark", "model": folder, "num_speculative_tokens": k, **scheduling_fields(args)}
     return lm.model, spec, drafter, case_prompts(args)
+
+
+def scheduling_fields(args) -> dict:
+    """The speculative config's scheduling fields given on the command line (the others keep their defaults)."""
+    given = {"disable_by_batch_size": args.disable_by_batch_size, "min_acceptance_length": args.min_acceptance_length}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def setup_draft_model(args):
@@ -386,9 +393,7 @@ def setup_draft_model(args):
     lm = kimi_jax.load(args.target, args.target_dtype)
     draft = kimi_jax.load(args.draft_model, args.target_dtype).model
     spec = {"method": "draft_model", "model": args.draft_model,
-            "num_speculative_tokens": args.num_speculative_tokens or 4}
-    if args.disable_by_batch_size is not None:
-        spec["disable_by_batch_size"] = args.disable_by_batch_size
+            "num_speculative_tokens": args.num_speculative_tokens or 4, **scheduling_fields(args)}
     return lm.model, spec, draft, case_prompts(args)
 
 
@@ -412,9 +417,7 @@ def setup_ngram(args):
     from kimi_jax.model import KimiModel
 
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens or 4,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    if args.disable_by_batch_size is not None:
-        spec["disable_by_batch_size"] = args.disable_by_batch_size
+            "prompt_lookup_min": 2, "prompt_lookup_max": 5, **scheduling_fields(args)}
     if args.ngram_on_target:
         return kimi_jax.load(args.target, args.target_dtype).model, spec, None, case_prompts(args)
     cfg = ngram_config(args)

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from serve.engine.draft_gate import DraftGate
 from serve.engine.media import cache_key_ids
 from serve.engine.outputs import RequestMetrics
 from serve.engine.sampling_params import SamplingParams, TokenConstraint
@@ -83,6 +84,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.draft_token_ids: list[int] = []  # proposals for the next step (speculative decoding)
+        self.draft_gate: DraftGate | None = None  # set by the scheduler when speculation may pause for it
         self.think_tokens_left: int | None = sampling_params.thinking_token_budget  # None: no thinking budget
 
     # ---- read-only views ----

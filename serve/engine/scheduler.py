@@ -24,7 +24,8 @@ step n+1 has run (its live state then covers every token, and becomes its final 
   max_model_len would end the request anyway, and a request whose slots or pages do not fit verifies none. With a
   device drafter the next verification step is scheduled while one runs (``schedule_ahead``): its rows are
   chained, built on the device from the running step's accepted count, drawn token and new drafts; the host
-  learns those counts when it applies the step, and a request that stopped in it drains through the next.
+  learns those counts when it applies the step, and a request that stopped in it drains through the next. A
+  request whose verification steps keep rejecting its drafts pauses drafting (``DraftGate``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import numpy as np
 
 from serve.engine import ngram
 from serve.engine.cache_manager import CacheConfig, CacheManager
+from serve.engine.draft_gate import DraftGate
 from serve.engine.outputs import SampledTokens, SpecDecodeStats
 from serve.engine.request import Request, RequestStatus
 from serve.engine.spec_config import SpeculativeConfig
@@ -209,6 +211,8 @@ class Scheduler:
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens leaves no room to generate with "
                              f"max_model_len={self.config.max_model_len}")
         request.status = RequestStatus.WAITING
+        if self.speculative is not None and self.speculative.acceptance_floor:
+            request.draft_gate = DraftGate(self.speculative.acceptance_floor)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -308,6 +312,8 @@ class Scheduler:
             return None
         if self._speculating():
             return self._schedule_verify_ahead()
+        if self._in_flight[0].verify_len:  # how many tokens it emits is known only after it (drafting paused since)
+            return None
         rows = {seq.request.request_id: i for i, seq in enumerate(self._in_flight[0].sequences) if seq.is_sampled}
         plan: list[tuple[Request, int, int]] = []
         for request in self.running:
@@ -395,6 +401,7 @@ class Scheduler:
                   and request.num_tokens == request.num_computed_tokens + 1):  # a step past the batch bound: none
                 request.draft_token_ids = ([] if spec is None else
                                            np.asarray(spec.drafts[row, :int(spec.num_drafts[row])]).tolist())
+                self._gate_step(request)
             changed.append(request)
         self.cache.release_step_pins()
         if self.speculative is not None and self.speculative.method == "ngram":
@@ -485,8 +492,22 @@ class Scheduler:
         active = spec.speculates(len(self.running))
         for request in self.running:
             decoding = request.num_tokens - request.num_computed_tokens == 1
-            request.draft_token_ids = (self.host_drafter(request)
-                                       if active and decoding and request.sampling_params.can_speculate else [])
+            may = active and decoding and request.sampling_params.can_speculate
+            if may:
+                self._gate_step(request)
+            request.draft_token_ids = self.host_drafter(request) if may and self._drafts_now(request) else []
+
+    @staticmethod
+    def _gate_step(request: Request) -> None:
+        """Before a step ``request`` could draft in (its ``DraftGate`` counts paused steps)."""
+        if request.draft_gate is not None:
+            request.draft_gate.step()
+
+    @staticmethod
+    def _drafts_now(request: Request) -> bool:
+        """Whether ``request``'s drafts go into the next step it takes part in (its ``DraftGate`` is not paused).
+        Device drafts are kept either way: a step chained before the gate paused verifies them."""
+        return request.draft_gate is None or request.draft_gate.drafting
 
     def _ngram_lookup(self, request: Request) -> list[int]:
         """N-gram prompt lookup over the request's prompt and output so far."""
@@ -498,7 +519,8 @@ class Scheduler:
         """Drafts are verified in the next step (the batch is small enough) for some running request."""
         spec = self.speculative
         return (spec is not None and spec.speculates(len(self.running))
-                and any(r.draft_token_ids and r.sampling_params.can_speculate for r in self.running))
+                and any(r.draft_token_ids and r.sampling_params.can_speculate and self._drafts_now(r)
+                        for r in self.running))
 
     def _verifies(self, decoding: list[Request], prefilling: list[Request]) -> bool:
         """The next step is a verification step: drafts exist, every running request decodes, and nothing that
@@ -521,7 +543,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plan: list[tuple[Request, int, list[int]]] = []
         for request in decoding:
-            m = min(self._num_drafts(request), max(budget - 1, 0))
+            m = min(self._num_drafts(request), max(budget - 1, 0)) if self._drafts_now(request) else 0
             lookahead = self.draft_lookahead if m else 0
             pages = self.cache.pages.num_new_pages(request, 1 + m + lookahead)
             if m and not self.cache.pages.can_allocate(pages):
@@ -560,7 +582,7 @@ class Scheduler:
         ``ScheduledSequence.draft_limit``), so the device never waits for the host between verification steps.
         None (schedule after the result) unless the step in flight verifies every running request, the drafter
         runs on the device, the batch still speculates, no request has a grammar, penalties or a thinking budget
-        (their host state needs the tokens), the token budget holds 1 + k rows per request, and each request gets
+        (their host state needs the tokens) or a paused ``DraftGate``, the token budget holds 1 + k rows per request, and each request gets
         1 + k slots and pages for the most the two steps may write (its table staying within max_model_len)."""
         prev, spec = self._in_flight[0], self.speculative
         tq = 1 + spec.num_speculative_tokens
@@ -570,7 +592,7 @@ class Scheduler:
             return None
         rows = {seq.request.request_id: i for i, seq in enumerate(prev.sequences)}
         if any(rows.get(r.request_id) is None or r.constraint is not None or r.sampling_params.uses_penalties
-               or r.think_tokens_left is not None for r in running):
+               or r.think_tokens_left is not None or not self._drafts_now(r) for r in running):
             return None
         # the step in flight keeps at most tq tokens; this one writes tq rows and the drafter's block after them
         reach = 2 * tq + self.draft_lookahead + 1
@@ -644,6 +666,8 @@ class Scheduler:
             stats.num_accepted_tokens += accepted
             for i in range(accepted):
                 stats.accepted_per_pos[i] += 1
+            if request.draft_gate is not None:
+                request.draft_gate.record(accepted)
         if request.num_output_tokens == 0:
             self.num_prompt_tokens += request.num_prompt_tokens
         appended, stopped = 0, False
@@ -679,6 +703,7 @@ class Scheduler:
                 self._retire(request, retain_state=True)
         elif sampled.spec is not None and self.speculative.on_device and not forced:
             request.draft_token_ids = np.asarray(sampled.spec.drafts[row, :int(sampled.spec.num_drafts[row])]).tolist()
+            self._gate_step(request)
         return True
 
     # ---- internals ----

@@ -21,6 +21,10 @@ disable_by_batch_size    speculation is off for a step with at least this many r
                          saturates the device and verifying drafts costs more than it saves); 0 = never off
 min_draft_confidence     dspark: stop a block's drafts where the running product of the confidence head's
                          acceptance estimates falls below this (0 = always k drafts)
+min_acceptance_length    a request whose last verification steps emitted fewer tokens than this on average
+                         (accepted drafts + the drawn token) stops drafting for a while (``draft_gate``); 0 =
+                         never; default 1.5 for ngram (its drafts cost a verification step each and have no
+                         confidence estimate), 0 for the others
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Any
 METHODS = ("ngram", "draft_model", "dspark")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("probabilistic", "block")
+NGRAM_MIN_ACCEPTANCE_LENGTH = 1.5
+"""The n-gram default: a request pauses drafting when its verification steps accept under half a draft on average."""
 MAX_SPECULATIVE_TOKENS = 7
 """A verification step feeds the last token and k drafts; the fused KDA verify kernel takes at most 8 tokens."""
 
@@ -47,6 +53,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 32
     min_draft_confidence: float = 0.0
+    min_acceptance_length: float | None = None  # None: the method's default (``acceptance_floor``)
 
     def __post_init__(self) -> None:
         _require(self.method in METHODS, "method", f"must be one of {METHODS}, got {self.method!r}")
@@ -61,6 +68,10 @@ class SpeculativeConfig:
                  "disable_by_batch_size", f"must be an integer >= 0, got {self.disable_by_batch_size!r}")
         _require(0.0 <= self.min_draft_confidence < 1.0, "min_draft_confidence",
                  f"must be in [0, 1), got {self.min_draft_confidence!r}")
+        floor = self.min_acceptance_length
+        _require(floor is None or (isinstance(floor, (int, float)) and not isinstance(floor, bool)
+                                   and 0.0 <= floor <= k + 1), "min_acceptance_length",
+                 f"must be a number in [0, {k + 1}] (a verification step emits at most k + 1 tokens), got {floor!r}")
         if self.method == "ngram":
             _require(self.model is None, "model", "is not used by the ngram method (drafts come from the prompt)")
             _require(self.draft_sample_method == "greedy", "draft_sample_method",
@@ -80,6 +91,13 @@ class SpeculativeConfig:
     def on_device(self) -> bool:
         """Drafts come out of the step executable itself (draft_model, dspark) rather than from the host."""
         return self.method != "ngram"
+
+    @property
+    def acceptance_floor(self) -> float:
+        """``min_acceptance_length`` with the method's default filled in (0: requests never pause drafting)."""
+        if self.min_acceptance_length is not None:
+            return float(self.min_acceptance_length)
+        return NGRAM_MIN_ACCEPTANCE_LENGTH if self.method == "ngram" else 0.0
 
     def speculates(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` running requests speculates (``disable_by_batch_size``)."""

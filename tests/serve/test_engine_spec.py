@@ -22,6 +22,7 @@ import pytest
 
 from serve.engine import EngineConfig, SamplingParams
 from serve.engine import ngram
+from serve.engine.draft_gate import FIRST_PAUSE, WINDOW
 from serve.engine.engine import LLMEngine
 from serve.engine.request import Request
 from serve.engine.runner import ModelRunner
@@ -31,7 +32,7 @@ from tests.serve.test_engine_runner import BLOCK, PROMPTS, RUNNER_CONFIG, assert
 K = 3
 NEW = 16
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-        "disable_by_batch_size": 0}
+        "disable_by_batch_size": 0, "min_acceptance_length": 0}  # every draft verified, whatever its acceptance
 
 
 @functools.cache
@@ -155,6 +156,42 @@ def test_greedy_outputs_equal_the_reference_whatever_the_drafts(reference, monke
     else:
         assert stats.num_accepted_tokens > 0 and stats.mean_acceptance_length > 1.5
     assert_pools_free(e)
+
+
+def test_requests_whose_drafts_keep_failing_pause_drafting(monkeypatch):
+    """Drafts that are always wrong: with the n-gram default floor (1.5 tokens per verification step) a request
+    verifies a window of drafts, pauses for FIRST_PAUSE steps, verifies another window, pauses twice as long, and
+    so on; outputs are the reference's either way, and a request with good drafts beside them keeps speculating."""
+    new = 48
+    names = ("f", "g")  # the shortest prompts: room for 48 tokens within max_model_len
+    longer = dict(zip(names, (out[len(PROMPTS[n]):] for n, out in zip(names, shared_lm().generate(
+        [PROMPTS[n] for n in names], max_new_tokens=new, stop_token_ids=[])))))
+
+    def run_with(floor, wrong_for):
+        def propose(tokens, k, lo, hi, data=None):  # the reference's next k tokens, each off by one if wrong_for
+            name = next(n for n in names if tokens[:len(PROMPTS[n])] == PROMPTS[n])
+            done = len(tokens) - len(PROMPTS[name])
+            return [(t + (name in wrong_for)) % 3800 for t in longer[name][done:done + k]]
+
+        monkeypatch.setattr(ngram, "propose", propose)
+        e = LLMEngine(spec_runner(), config=EngineConfig(block_size=BLOCK, speculative_config={
+            **SPEC, "min_acceptance_length": floor}))
+        for name in names:
+            e.add_request(name, PROMPTS[name], greedy(new))
+        assert outputs(run(e)) == longer
+        assert_pools_free(e)
+        return e.stats().spec_decode
+
+    always = run_with(0, wrong_for=names)
+    paused = run_with(None, wrong_for=names)
+    assert always.num_accepted_tokens == paused.num_accepted_tokens == 0
+    # about new - 2 verification steps each without the gate; with it, windows of WINDOW steps between pauses of
+    # FIRST_PAUSE and 2 * FIRST_PAUSE steps: 4 + 8 + 4 + 16 + 4 + ... of the 46
+    assert always.num_drafts >= 2 * (new - 3)
+    assert paused.num_drafts == 2 * 3 * WINDOW
+    mixed = run_with(None, wrong_for=("f",))
+    # "g" (good drafts) still accepts all k in about every verification step: (new - 1) / (k + 1) of them
+    assert mixed.num_accepted_tokens >= K * ((new - 1) // (K + 1) - 1)
 
 
 def test_mixed_arrivals_preemption_prefix_hits_and_stops(reference, monkeypatch):

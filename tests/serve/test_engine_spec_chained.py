@@ -136,3 +136,17 @@ def test_a_failed_step_in_a_chain_fails_its_requests_and_the_engine_goes_on(faul
     finally:
         e.runner.fault_injector = None
     assert_pools_free(e)
+
+
+def test_a_paused_draft_gate_stops_the_chain():
+    """A floor of k + 1 tokens per verification step (every draft accepted) pauses the random DSpark drafter's
+    requests after one window: chaining stops for them, greedy outputs stay the target's, fewer drafts are
+    verified than without the gate."""
+    requests = {n: greedy(dspark.NEW) for n in ("a", "d")}
+    k = dspark.SPEC["num_speculative_tokens"]
+    gated, (gated_drafts, *_), _ = run_engine(dspark.dspark_runner(), {**dspark.SPEC, "min_acceptance_length": k + 1},
+                                              requests, async_scheduling=True)
+    free, (free_drafts, *_), launched = run_engine(dspark.dspark_runner(), dspark.SPEC, requests,
+                                                   async_scheduling=True)
+    assert gated == free == {n: reference(n)[:dspark.NEW] for n in requests}
+    assert launched > 0 and gated_drafts < free_drafts
