@@ -582,8 +582,9 @@ class Scheduler:
         ``ScheduledSequence.draft_limit``), so the device never waits for the host between verification steps.
         None (schedule after the result) unless the step in flight verifies every running request, the drafter
         runs on the device, the batch still speculates, no request has a grammar, penalties or a thinking budget
-        (their host state needs the tokens) or a paused ``DraftGate``, the token budget holds 1 + k rows per request, and each request gets
-        1 + k slots and pages for the most the two steps may write (its table staying within max_model_len)."""
+        (their host state needs the tokens) or a paused ``DraftGate``, the token budget holds 1 + k rows per
+        request, and each request gets 1 + k slots and pages for the most the two steps may write (its table
+        staying within max_model_len)."""
         prev, spec = self._in_flight[0], self.speculative
         tq = 1 + spec.num_speculative_tokens
         running = self.running
