@@ -244,7 +244,7 @@ def run_batch(arm: Arm, prompts: list[list[int]], new_tokens: int, tag: str,
     rows, accepted = spec_after[0] - spec_before[0], spec_after[1] - spec_before[1]
     return dict(per_user_tokens_per_s=float(np.mean(emitted)) / seconds, tokens_per_s=sum(emitted) / seconds,
                 window_s=seconds, outputs=[outputs[i] for i in ids], verification_steps=verify_steps,
-                draft_rows=rows, accepted=accepted, steps=len(window),
+                draft_rows=rows, accepted=accepted, steps=len(window), paused_steps=spec_after[3] - spec_before[3],
                 host_serial_ms=1e3 * float(np.mean([t.update + t.schedule + t.launch for t in window])),
                 phase_ms={phase: 1e3 * float(np.mean([getattr(t, phase) for t in window]))
                           for phase in ("wait", "update", "schedule", "launch", "process")},
@@ -287,9 +287,11 @@ def step_device_ms(arm: Arm, prompts: list[list[int]], futures: list[list[int]] 
     return dict(ms=seconds * 1e3, step=str(key))
 
 
-def _spec_counts(engine) -> tuple[int, int, list[int]]:
+def _spec_counts(engine) -> tuple[int, int, list[int], int]:
+    """(verification rows with drafts, accepted drafts, accepted per position, request steps paused)."""
     s = engine.stats().spec_decode
-    return (0, 0, []) if s is None else (s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_pos))
+    return (0, 0, [], 0) if s is None else (s.num_drafts, s.num_accepted_tokens, list(s.accepted_per_pos),
+                                            s.num_paused_steps)
 
 
 def _verify_launches(runner) -> int:
@@ -334,6 +336,7 @@ def summarize(batch: int, plain: list[dict], spec: list[dict], mismatches: list[
                 mean_acceptance_length=1.0 + accepted / rows if rows else 1.0,
                 acceptance_rate_per_position=[float(a) / rows if rows else 0.0 for a in per_pos],
                 draft_rows=rows, verification_steps=sum(r["verification_steps"] for r in spec),
+                paused_steps=sum(r["paused_steps"] for r in spec),
                 plain_step=per_step(plain), spec_step=per_step(spec),
                 greedy_mismatches=len(mismatches), mismatch_examples=mismatches[:4],
                 pools_free=all(r["pools_free"] for r in plain + spec))
@@ -511,7 +514,8 @@ def run_case(name: str, setup, args, report: Report, start: float) -> int:
         print(json.dumps({k: v for k, v in row.items() if k not in ("mismatch_examples", "oracle")}), flush=True)
         for n, sub in row.get("oracle", {}).items():
             print(f"[spec bench] oracle {n} correct: {sub['speedup']:.2f}x, acceptance length "
-                  f"{sub['mean_acceptance_length']:.2f}, runs to a fixed point {sub['runs_to_fixed_point']} "
+                  f"{sub['mean_acceptance_length']:.2f}, {sub['verification_steps']} verification steps, "
+                  f"{sub['paused_steps']} request steps paused, runs to a fixed point {sub['runs_to_fixed_point']} "
                   f"(reached: {sub['fixed_point']}), {sub['greedy_mismatches']} outputs differ from the plain arm's",
                   flush=True)
         if report.doc["stopped_by_deadline"]:

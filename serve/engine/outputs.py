@@ -120,12 +120,14 @@ class SpecDecodeStats:
     num_draft_tokens     drafts proposed to the target
     num_accepted_tokens  drafts the target accepted
     accepted_per_pos     [k] how often the draft at each position was accepted
+    num_paused_steps     (ours) request steps without drafts because the request's ``DraftGate`` paused it
     """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    num_paused_steps: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -497,11 +497,11 @@ class Scheduler:
                 self._gate_step(request)
             request.draft_token_ids = self.host_drafter(request) if may and self._drafts_now(request) else []
 
-    @staticmethod
-    def _gate_step(request: Request) -> None:
+    def _gate_step(self, request: Request) -> None:
         """Before a step ``request`` could draft in (its ``DraftGate`` counts paused steps)."""
         if request.draft_gate is not None:
             request.draft_gate.step()
+            self.spec_stats.num_paused_steps += not request.draft_gate.drafting
 
     @staticmethod
     def _drafts_now(request: Request) -> bool:

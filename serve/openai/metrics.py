@@ -75,7 +75,10 @@ class _EngineCollector:
         for name, doc, value in (
                 ("vllm:spec_decode_num_drafts", "Verification rows with at least one draft.", spec.num_drafts),
                 ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
-                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+                ("kimi_jax:spec_decode_num_paused_steps",
+                 "Request steps without drafts: the request's recent drafts were mostly rejected.",
+                 spec.num_paused_steps)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], float(value))
             yield family

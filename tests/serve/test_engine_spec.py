@@ -189,6 +189,9 @@ def test_requests_whose_drafts_keep_failing_pause_drafting(monkeypatch):
     # FIRST_PAUSE and 2 * FIRST_PAUSE steps: 4 + 8 + 4 + 16 + 4 + ... of the 46
     assert always.num_drafts >= 2 * (new - 3)
     assert paused.num_drafts == 2 * 3 * WINDOW
+    assert always.num_paused_steps == 0
+    # pauses of 8 and 16 steps, then a third (of 32) that the end of the request cuts short
+    assert 2 * 3 * FIRST_PAUSE < paused.num_paused_steps < 2 * 7 * FIRST_PAUSE
     mixed = run_with(None, wrong_for=("f",))
     # "g" (good drafts) still accepts all k in about every verification step: (new - 1) / (k + 1) of them
     assert mixed.num_accepted_tokens >= K * ((new - 1) // (K + 1) - 1)

@@ -23,8 +23,10 @@ def _scrape(engine) -> str:
 
 
 def test_spec_counters_in_vllm_names():
-    spec = SpecDecodeStats(num_drafts=3, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[3, 2, 1, 1])
+    spec = SpecDecodeStats(num_drafts=3, num_draft_tokens=12, num_accepted_tokens=7, accepted_per_pos=[3, 2, 1, 1],
+                           num_paused_steps=5)
     text = _scrape(_Engine(spec))
+    assert 'kimi_jax:spec_decode_num_paused_steps_total{model_name="tiny"} 5.0' in text
     assert 'vllm:spec_decode_num_drafts_total{model_name="tiny"} 3.0' in text
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 12.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7.0' in text
