@@ -16,7 +16,9 @@ Cases (``--cases``):
   The known output starts as the plain arm's. A random bf16 model's near-ties flip between verification and decode
   reductions, after which such drafts would all be rejected, so an oracle arm reruns with its own last output as
   the known one until a run reproduces the tokens it drafted from (a fixed point, reached in a few runs; only that
-  run is timed): its acceptance is then exactly N per verification step.
+  run is timed): its acceptance is then exactly N per verification step. An arm whose 1 + N is under the config's
+  ``min_acceptance_length`` (n-gram default 1.5, so N = 0) pauses drafting as serving would: its row then measures
+  the pause (``paused_steps``, fewer verification steps); ``--min-acceptance-length 0`` verifies every draft.
 * ``draft_model``: ``tiny`` drafted by a model of the same vocabulary (``--draft-model``, a preset or folder;
   skipped without it) on the code prompts.
 
@@ -27,7 +29,7 @@ prompt r x B on (so batch-1 repeats decode different prompts, both arms the same
 request emits while every request decodes (from the step where all have their first token to the step where
 the first one finishes) over that time, averaged over requests. A row reports the median and spread (min, max)
 of both arms, the speedup of the medians, the speculative runs' acceptance (mean acceptance length, acceptance
-rate per draft position, verification steps) and the greedy check: every request's output ids compared token for
+rate per draft position, verification steps, request steps whose drafting was paused) and the greedy check: every request's output ids compared token for
 token between the arms of each repeat, and per arm the wall ms of one engine step with its serial host ms (the
 device idles for it unless the step was launched ahead) and the fraction launched ahead. Speculation turns itself
 off at ``disable_by_batch_size`` running requests, as when serving, so the rows at and past it measure that rule.
