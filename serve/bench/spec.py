@@ -29,8 +29,8 @@ prompt r x B on (so batch-1 repeats decode different prompts, both arms the same
 request emits while every request decodes (from the step where all have their first token to the step where
 the first one finishes) over that time, averaged over requests. A row reports the median and spread (min, max)
 of both arms, the speedup of the medians, the speculative runs' acceptance (mean acceptance length, acceptance
-rate per draft position, verification steps, request steps whose drafting was paused) and the greedy check: every request's output ids compared token for
-token between the arms of each repeat, and per arm the wall ms of one engine step with its serial host ms (the
+rate per draft position, verification steps, request steps whose drafting was paused) and the greedy check:
+every request's output ids compared token for token between the arms of each repeat, and per arm the wall ms of one engine step with its serial host ms (the
 device idles for it unless the step was launched ahead) and the fraction launched ahead. Speculation turns itself
 off at ``disable_by_batch_size`` running requests, as when serving, so the rows at and past it measure that rule.
 
