@@ -30,9 +30,10 @@ request emits while every request decodes (from the step where all have their fi
 the first one finishes) over that time, averaged over requests. A row reports the median and spread (min, max)
 of both arms, the speedup of the medians, the speculative runs' acceptance (mean acceptance length, acceptance
 rate per draft position, verification steps, request steps whose drafting was paused) and the greedy check:
-every request's output ids compared token for token between the arms of each repeat, and per arm the wall ms of one engine step with its serial host ms (the
-device idles for it unless the step was launched ahead) and the fraction launched ahead. Speculation turns itself
-off at ``disable_by_batch_size`` running requests, as when serving, so the rows at and past it measure that rule.
+every request's output ids compared token for token between the arms of each repeat, and per arm the wall ms of
+one engine step with its serial host ms (the device idles for it unless the step was launched ahead) and the
+fraction launched ahead. Speculation turns itself off at ``disable_by_batch_size`` running requests, as when
+serving, so the rows at and past it measure that rule.
 
 The JSON (``--out``/bench_spec.json) is rewritten after every row; no run starts after ``--deadline-s``. The exit
 status is 1 when a greedy output of a case on trained weights differs (on random weights mismatches
