@@ -110,6 +110,11 @@ def test_the_fingerprint_follows_what_shapes_the_program(tmp_path):
     for change in (dict(max_num_seqs=4, seq_buckets=(4,)), dict(max_logprobs=3), dict(memory_budget_bytes=2 << 20)):
         other = ModelRunner(shared_lm(), dataclasses.replace(cached_config(folder), **change), warm_up=False)
         assert other._executable_fingerprint() != fp, change
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    speculating = [ModelRunner(shared_lm(), dataclasses.replace(cached_config(folder), speculative_config=spec),
+                               warm_up=False)._executable_fingerprint()
+                   for spec in (ngram, {**ngram, "min_acceptance_length": 0}, {**ngram, "num_speculative_tokens": 3})]
+    assert speculating[0] == speculating[1] != speculating[2] != fp  # the drafting pause is the scheduler's alone
     assert fingerprint(dict(a=1, b=2)) == fingerprint(dict(b=2, a=1)) != fingerprint(dict(a=1, b=3))
     assert len(source_digest()) == 64
 
