@@ -68,7 +68,8 @@ def engine_args_from_cli(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                   token_buckets=_sizes(args, "token_buckets"), seq_buckets=_sizes(args, "seq_buckets"),
                   page_buckets=_sizes(args, "page_buckets"),
-                  speculative_config=getattr(args, "speculative_config", None))
+                  speculative_config=getattr(args, "speculative_config", None),
+                  warm_up=getattr(args, "warm_up", None))
     cache = compile_cache_folder()
     if cache and on_gpu():  # XLA's CPU executables can name functions another process lacks: JAX's cache only
         fields["executable_cache_dir"] = os.path.join(cache, "executables")
@@ -134,8 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
     replicas = getattr(engine, "num_replicas", 1)
     print(f"[kimi-jax] ready in {time.perf_counter() - start:.1f}s: {runner.shape.label()} on "
           f"{runner.mesh.size} device(s) x {replicas} replica(s), {jax.process_count()} host(s); "
-          f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s; "
-          f"{runner.plan.describe()}", file=sys.stderr, flush=True)
+          f"{runner.num_executables} executables compiled in {runner.warm_up_seconds:.1f}s"
+          f"{_still_compiling(runner)}; {runner.plan.describe()}", file=sys.stderr, flush=True)
     if runner.executable_cache is not None:
         print(f"[kimi-jax] {runner.executable_cache.summary()}", file=sys.stderr, flush=True)
     if runner.compile_seconds:
@@ -148,8 +149,15 @@ def _serve(args: argparse.Namespace) -> int:
 
             run_kv_server(args, AsyncEngine(engine, **admission_args(args)), connector, table, kv_config)
     finally:
+        runner.stop_warm_up()
         runner.stop_followers()
     return 0
+
+
+def _still_compiling(runner) -> str:
+    """', N more compiling in the background' during a progressive warm-up, else ''."""
+    pending = runner.num_pending_executables
+    return f", {pending} more compiling in the background (smaller buckets, each used once ready)" if pending else ""
 
 
 def _add_bench(sub) -> None:

@@ -3,9 +3,11 @@
 Launches the server ``--launches`` times in a row over one fresh compilation cache folder (the first launch is a
 cold start that compiles every step shape; on a GPU later ones load the compiled steps from the cache's
 ``executables`` folder, ``serve.engine.executable_cache``), and for each
-launch records: seconds from the process start to ``/health`` answering 200 (weights, pools and warm-up), the
-latency of the first and second requests (a greedy completion of ``--max-tokens`` tokens and a chat turn, each
-sent twice), and ``kimi_jax:compiles_after_warm_up`` from ``/metrics`` after them (0: no request compiled
+launch records: seconds from the process start to ``/health`` answering 200 (weights, pools and warm-up: with the
+server's default progressive warm-up, the largest buckets only), the latency of the first and second requests (a
+greedy completion of ``--max-tokens`` tokens and a chat turn, each sent twice), seconds from the process start
+until ``kimi_jax:warm_up_executables_pending`` reads 0 (every bucket compiled), the same requests again then
+(``warm_*``), and ``kimi_jax:compiles_after_warm_up`` from ``/metrics`` after them (0: no request compiled
 anything). Everything after ``--`` is passed to ``kimi-jax serve``. A server that exits before it is ready ends
 the run, its log's last line in the error; one that times out does not (the next launch reuses what it compiled).
 
@@ -24,6 +26,7 @@ import time
 
 _OUT_NAME = "bench_startup.json"
 _COMPILES = "kimi_jax:compiles_after_warm_up"
+_PENDING = "kimi_jax:warm_up_executables_pending"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,12 +96,22 @@ def timed_requests(base: str, model: str, max_tokens: int) -> dict:
     return out
 
 
-def compiles_after_warm_up(base: str) -> float | None:
+def metric(base: str, name: str) -> float | None:
+    """A gauge's value from ``/metrics`` (None when the server does not export it)."""
     import httpx
 
     for line in httpx.get(base + "/metrics", timeout=10.0).text.splitlines():
-        if line.startswith(_COMPILES + "{") or line.startswith(_COMPILES + " "):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def wait_compiled(base: str, proc: subprocess.Popen, deadline: float) -> float | None:
+    """``time.perf_counter()`` when no executable is left compiling (None: still compiling at ``deadline``)."""
+    while time.perf_counter() < deadline and proc.poll() is None:
+        if not metric(base, _PENDING):
+            return time.perf_counter()
+        time.sleep(0.5)
     return None
 
 
@@ -117,9 +130,15 @@ def launch(args, cache_dir: str, index: int) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(args.port), *args.serve_args], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
+            start = time.perf_counter()
             row = dict(launch=index, ready_s=wait_ready(base, proc, args.timeout_s, log_path))
-            row.update(timed_requests(base, served_model(base), args.max_tokens))
-            row["compiles_after_warm_up"] = compiles_after_warm_up(base)
+            model = served_model(base)
+            row.update(timed_requests(base, model, args.max_tokens))
+            compiled = wait_compiled(base, proc, start + args.timeout_s)
+            row["all_compiled_s"] = None if compiled is None else compiled - start
+            if compiled is not None:
+                row.update({f"warm_{name}": s for name, s in timed_requests(base, model, args.max_tokens).items()})
+            row["compiles_after_warm_up"] = metric(base, _COMPILES)
         finally:
             proc.terminate()
             try:

@@ -5,6 +5,8 @@ T = tokens of the packed step, N = sequences, P = block-table width (pages per s
 sequence feeds at least one token); decode-only steps (one token per sequence, all with cached context, no
 checkpoint export) run the model's fused decode path with ``T == N``, so they have (N, N, P) buckets. The
 engine compiles all of them at warm-up and never afterwards; a step takes the smallest bucket that holds it.
+With a progressive warm-up (``EngineConfig.warm_up``) the engine serves once the largest buckets are ready, and a
+step takes the smallest *ready* bucket that holds it (``smallest_ready``) while the others compile.
 """
 
 from __future__ import annotations
@@ -60,6 +62,24 @@ class Buckets:
         if self.seqs[-1] > self.tokens[-1]:
             raise ValueError(f"largest sequence bucket {self.seqs[-1]} exceeds the largest token bucket "
                              f"{self.tokens[-1]}")
+
+
+def smallest_ready(shape: tuple[int, int, int, bool], ready, same_class=lambda a, b: True
+                   ) -> tuple[int, int, int, bool]:
+    """The cheapest ready bucket that can run a step picked for bucket ``shape`` (T, N, P, decode_only): ``shape``
+    itself when ready, else one of ``ready`` (a collection of such shapes) with T, N and P at least as large, of
+    the same kind, or a mixed bucket for a decode-only step (a mixed step feeds decode tokens too), and with
+    ``same_class(shape, candidate)`` (the runner keeps drafting and non-drafting buckets apart). Cheapest: the
+    fewest padded tokens, then sequences, then pages, a decode bucket before a mixed one. ValueError when none
+    qualifies."""
+    t, n, p, decode_only = shape
+    if shape in ready:
+        return shape
+    fits = [c for c in ready if c[0] >= t and c[1] >= n and c[2] >= p and (c[3] == decode_only or not c[3])
+            and same_class(shape, c)]
+    if not fits:
+        raise ValueError(f"no ready bucket holds a step of bucket {shape}")
+    return min(fits, key=lambda c: (c[0], c[1], c[2], not c[3]))
 
 
 def _smallest(sizes: tuple[int, ...], need: int, what: str) -> int:

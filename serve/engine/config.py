@@ -15,6 +15,7 @@ from serve.engine.spec_config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 MXFP4_BYTE_ORDERS = ("auto", "checkpoint", "pairs", "words")
+WARM_UP_MODES = ("full", "progressive")
 _KV_CACHE_JNP = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 CPU_MEMORY_BUDGET = 64 << 20
 """Default cache budget on CPU (both pools together)."""
@@ -50,6 +51,9 @@ class EngineConfig:
                                decoding (tokens fed from the device; ``Scheduler.schedule_ahead``)
     test_mode                  fill freed pages and slots with NaN so that a stale read shows up
     compile_threads            threads compiling buckets at warm-up (default: CPU count, at most 8)
+    warm_up                    "full": start serving once every bucket is compiled; "progressive": once the largest
+                               buckets are (any step fits them), the others compiling in the background and each
+                               taken into use as it is ready (``ModelRunner.warm_up``; one process only)
     executable_cache_dir       keep compiled step executables here and load them at the next start, skipping
                                tracing, lowering and compiling (``executable_cache``; None = off; ``kimi-jax serve`` on
                                a GPU: ``$KIMI_JAX_COMPILE_CACHE/executables``)
@@ -85,6 +89,7 @@ class EngineConfig:
     async_scheduling: bool = True
     test_mode: bool = False
     compile_threads: int | None = None
+    warm_up: str = "full"
     executable_cache_dir: str | None = None
     speculative_config: SpeculativeConfig | None = None
     encoder_batch_size: int = 4
@@ -179,6 +184,7 @@ class EngineConfig:
         _require(self.encoder_batch_size >= 1, "encoder_batch_size", f"must be >= 1, got {self.encoder_batch_size}")
         _require(self.media_pool_rows is None or self.media_pool_rows >= 1, "media_pool_rows",
                  f"must be None or >= 1, got {self.media_pool_rows}")
+        _require(self.warm_up in WARM_UP_MODES, "warm_up", f"must be one of {WARM_UP_MODES}, got {self.warm_up!r}")
         _require(self.compile_threads >= 0, "compile_threads", f"must be >= 0, got {self.compile_threads}")
 
 

@@ -142,7 +142,8 @@ class DataParallelEngine:
         return EngineStats(**summed, cache_usage=float(np.mean([s.cache_usage for s in each])),
                            router_expert_tokens=router_expert_tokens(load), router_imbalance=router_imbalance(load),
                            num_replicas=len(self.engines),
-                           compiles_after_warm_up=max(s.compiles_after_warm_up for s in each))
+                           compiles_after_warm_up=max(s.compiles_after_warm_up for s in each),
+                           executables_pending=sum(s.executables_pending for s in each))
 
 
 def build_engine(model, *, tokenizer="auto", dtype="auto", seed: int = 0, impl: str | None = None,

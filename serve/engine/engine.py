@@ -376,7 +376,8 @@ class LLMEngine:
                            num_preemptions=s.num_preemptions, prompt_tokens=s.prompt_tokens,
                            generation_tokens=s.generation_tokens, router_expert_tokens=router_expert_tokens(load),
                            router_imbalance=router_imbalance(load), spec_decode=s.spec_decode,
-                           compiles_after_warm_up=self.runner.compiles_after_warm_up)
+                           compiles_after_warm_up=self.runner.compiles_after_warm_up,
+                           executables_pending=self.runner.num_compiling_executables)
 
     def router_load(self):
         """Routed pairs per MoE layer and expert since start, int32 [L_moe, E] (``ModelRunner.router_load``)."""

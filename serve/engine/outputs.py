@@ -110,6 +110,8 @@ class EngineStats:
     spec_decode: "SpecDecodeStats | None" = None
     compiles_after_warm_up: int = 0
     """XLA compilations since the engine finished compiling its step shapes at start-up (0 while serving)."""
+    executables_pending: int = 0
+    """Step executables a progressive warm-up is still compiling in the background (0 once all are in use)."""
 
 
 @dataclasses.dataclass

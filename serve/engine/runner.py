@@ -41,7 +41,10 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import os
+import queue
+import threading
 import time
 import warnings
 from functools import partial
@@ -59,6 +62,8 @@ from kimi_jax.step import HybridCache, StepInputs, init_cache
 from pallas_kernels.greedy import greedy
 from pallas_kernels.impl import resolve_impl
 from serve.engine import multihost
+from serve.engine.background_compile import BackgroundCompiler
+from serve.engine.buckets import smallest_ready
 from serve.engine.config import CPU_MEMORY_BUDGET, EngineConfig, kv_cache_dtype_name
 from serve.engine.encoder import VisionEncoder
 from serve.engine.executable_cache import ExecutableCache, environment_parts, fingerprint
@@ -116,14 +121,30 @@ def add_gpu_compiler_options(options: list[str]) -> None:
         GPU_COMPILER_OPTIONS = {**GPU_COMPILER_OPTIONS, name: value}
 
 
+logger = logging.getLogger(__name__)
+
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 _compile_count = 0
+_warm_up_compile_count = 0  # of those, the ones made on warm-up threads (``_warm_up_thread``)
+_thread = threading.local()
 
 
 def _count_compiles(event: str, duration_secs: float, **kwargs) -> None:
-    global _compile_count
-    if event == _BACKEND_COMPILE_EVENT:
+    global _compile_count, _warm_up_compile_count
+    if event == _BACKEND_COMPILE_EVENT:  # the listener runs on the compiling thread
         _compile_count += 1
+        _warm_up_compile_count += getattr(_thread, "warm_up", False)
+
+
+def _warm_up_thread(fn: Callable) -> Callable:
+    """``fn`` with the compiles it makes counted as warm-up's (``compiles_after_warm_up`` leaves them out)."""
+    def run(*args, **kwargs):
+        _thread.warm_up = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _thread.warm_up = False
+    return run
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
@@ -133,6 +154,12 @@ def backend_compile_count() -> int:
     """XLA backend compilations in this process so far: every jit, eager op or AOT compile counts, hits of the
     persistent compilation cache included (the event wraps ``compile_or_get_cached``)."""
     return _compile_count
+
+
+def warm_up_compile_count() -> int:
+    """Of ``backend_compile_count``, those made on the threads of some runner's warm-up (foreground or
+    background)."""
+    return _warm_up_compile_count
 
 
 def _param_path(path: tuple) -> str:
@@ -406,6 +433,12 @@ class ModelRunner:
         self._rows: dict[str, int] = {}  # request id -> its row in the last step (draft_rows of the next)
         self.connector = None  # a KVConnector (kv_connector.attach_connector) moving entries to and from the host
         self.warm_up_seconds = 0.0
+        self.all_ready_seconds: float | None = None  # from warm-up's start until every bucket was in use
+        self._warm_up_start = 0.0
+        self._background: BackgroundCompiler | None = None  # a progressive warm-up's compiles still under way
+        self._free_at_warm_up: int | None = None  # device bytes free for a step's temporaries (GPU)
+        self._all_in_use = True  # every planned bucket has its executable (else steps take the smallest ready one)
+        self._installed = 0  # executables a progressive warm-up took into use after it returned
         self.compile_seconds: dict = {}  # executable key -> seconds its compile took at warm-up (not loaded ones)
         self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
         self.executable_cache: ExecutableCache | None = None  # config.executable_cache_dir's, after warm_up
@@ -607,11 +640,24 @@ class ModelRunner:
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compile the step of every bucket, the copy executable and (test mode) the poison executable, or load
         them from ``config.executable_cache_dir`` (``executable_cache``); ``progress(done, total)`` is called as
-        executables become ready."""
-        start = time.perf_counter()
+        executables become ready.
+
+        ``config.warm_up == "progressive"`` (one process): return once what no step can do without is ready (copy,
+        poison, the image encoder, and per drafting class the largest mixed bucket and the largest verification
+        bucket: every step fits one of them), and compile the other buckets on background threads
+        (``background_compile``), small decode buckets first. ``execute`` takes each into use when it is ready;
+        until then a step runs in the smallest ready bucket that holds it (``buckets.smallest_ready``), so no step
+        waits for a compile. ``finish_warm_up`` waits for the rest."""
+        self.stop_warm_up()
+        start = self._warm_up_start = time.perf_counter()
         cfg = self.config
         self.compile_seconds = {}
         planned: dict = {}  # key -> a thunk lowering that executable
+        # lowered from shapes and shardings, not the arrays: a background lowering must not touch the cache pools
+        # that the steps it runs beside donate
+        params, cache, carry, router, drafter_params, draft_probs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            (self.params, self.cache, self._carry, self._router_totals, self.drafter_params, self._draft_probs))
 
         def lower(buffer: WordBuffer, optional: tuple, greedy_only: bool, num_seqs: int):
             optional = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated) for a in optional)
@@ -622,8 +668,7 @@ class ModelRunner:
                               donate_argnums=(1, 7),
                               out_shardings=(self.replicated, self.replicated, self.cache_shardings, self.replicated,
                                              self.replicated))
-            return step_fn.lower(self.params, self.cache, words, optional, self._carry, self._router_totals,
-                                 self.drafter_params, self._draft_probs)
+            return step_fn.lower(params, cache, words, optional, carry, router, drafter_params, draft_probs)
 
         layouts = {}  # key -> its step input layout, part of its executable cache key
         for shape in self.buckets.shapes():
@@ -641,16 +686,14 @@ class ModelRunner:
         pairs = jax.ShapeDtypeStruct((2, COPY_CHUNK), jnp.int32, sharding=self.replicated)
         ids = jax.ShapeDtypeStruct((COPY_CHUNK,), jnp.int32, sharding=self.replicated)
         pinned = dict(donate_argnums=(0,), out_shardings=self.cache_shardings)
-        planned["copy"] = lambda: jax.jit(_copy_entries, **pinned).lower(self.cache, pairs, pairs)
+        planned["copy"] = lambda: jax.jit(_copy_entries, **pinned).lower(cache, pairs, pairs)
         if cfg.test_mode:
-            planned["poison"] = lambda: jax.jit(_poison_entries, **pinned).lower(self.cache, ids, ids)
+            planned["poison"] = lambda: jax.jit(_poison_entries, **pinned).lower(cache, ids, ids)
         if self.encoder is not None:
             encoder_lowered = self.encoder.lower(self.cache, self.cache_shardings)
             planned.update({key: (lambda lo=lo: lo) for key, lo in encoder_lowered.items()})
         self.executable_cache = store = self._open_executable_cache()
         cache_keys = {key: (key, repr(layouts.get(key))) for key in planned}
-        report = progress or (lambda done, total: None)
-        report(0, len(planned))
         threads = cfg.compile_threads or min(8, os.cpu_count() or 1)
         options = GPU_COMPILER_OPTIONS if self.on_gpu else None
         compiled, pending = {}, {}
@@ -663,33 +706,37 @@ class ModelRunner:
                 store.store(cache_keys[key], executable)
             return executable
 
-        def collect(block: bool) -> None:
-            done = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)[0] if block \
-                else [f for f in pending if f.done()]
-            for future in done:
-                compiled[pending.pop(future)] = future.result()
-                report(len(compiled), len(planned))
-
         # cache hits skip tracing and lowering; misses are lowered in turn on this thread while the compiles of
         # the ones before run on the pool (XLA compiles outside the GIL), so a cold start takes about the longer
         # of the two, not their sum
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             if store is not None:  # deserialising (about 0.4 s per step of `tiny` on an H100 host) runs in parallel
-                loaded = pool.map(store.load, cache_keys.values())
+                loaded = pool.map(_warm_up_thread(store.load), cache_keys.values())
                 compiled.update({key: hit for key, hit in zip(planned, loaded) if hit is not None})
-                report(len(compiled), len(planned))
-            for key, make in planned.items():
+            later = [key for key in self._deferred_keys(planned) if key not in compiled]
+            first = [key for key in planned if key not in later]
+            report = progress or (lambda done, total: None)
+            report(len(compiled), len(first))
+
+            def collect(block: bool) -> None:
+                done = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)[0] \
+                    if block else [f for f in pending if f.done()]
+                for future in done:
+                    compiled[pending.pop(future)] = future.result()
+                    report(len(compiled), len(first))
+
+            for key in first:
                 if key not in compiled:
-                    pending[pool.submit(build, key, make())] = key
+                    pending[pool.submit(_warm_up_thread(build), key, planned[key]())] = key
                     collect(block=False)
             while pending:
                 collect(block=True)
-        compiled = {key: compiled[key] for key in planned}  # in the order they were planned
+        compiled = {key: compiled[key] for key in planned if key in compiled}  # in the order they were planned
         self._copy = compiled.pop("copy")
         if self.encoder is not None:
             self.encoder.set_compiled(compiled)
         self._poison = compiled.pop("poison", None)
-        self._verify_steps = {key[1:]: compiled.pop(key) for key in planned if key[0] == "verify"}
+        self._verify_steps = {key[1:]: compiled.pop(key) for key in planned if key in compiled and key[0] == "verify"}
         # in the order they were planned, not finished: every process of a multi-host replica runs them in turn
         self._steps = {key: compiled[key] for key in planned if key in compiled}
         self.step_temp_bytes = {key: step_temp_bytes(c) for key, c in compiled.items()}
@@ -711,7 +758,107 @@ class ModelRunner:
         if self.encoder is not None:
             self.cache = self.encoder.run_once(self.cache)
         self.warm_up_seconds = time.perf_counter() - start
-        self.compiles_at_warm_up = backend_compile_count()
+        self.all_ready_seconds = None if later else self.warm_up_seconds
+        self._all_in_use = not later
+        self.compiles_at_warm_up = backend_compile_count() - warm_up_compile_count()
+        if later:
+            self._installed = 0
+            self._background = BackgroundCompiler([(key, planned[key]) for key in later], build, threads,
+                                                  wrap=_warm_up_thread)
+
+    def _deferred_keys(self, planned: dict) -> list:
+        """The step keys a progressive warm-up compiles in the background, in the order it compiles them (decode
+        buckets by sequences and pages, then verification, then mixed buckets by tokens); [] for a full warm-up
+        or several processes (every process must hold every executable the leader may launch)."""
+        if self.config.warm_up != "progressive" or self.multihost:
+            return []
+        b = self.buckets
+        anchors = set()
+        for drafting in {self._drafting(n) for n in b.seqs}:
+            widest = max(n for n in b.seqs if self._drafting(n) == drafting)
+            anchors.add((b.tokens[-1], widest, b.pages[-1], False, False))
+        verify = self._verify_shapes()
+        if verify:
+            anchors.add(("verify", max(n for n, _ in verify), b.pages[-1], False))
+        steps = [key for key in planned if not isinstance(key, str) and key[0] != "copy" and key not in anchors
+                 and (key[0] == "verify" or isinstance(key[0], int))]
+
+        def order(key):
+            if key[0] == "verify":
+                return (1, key[1], key[2], key[3])
+            t, n, p, decode_only, greedy = key
+            return (0, n, p, greedy) if decode_only else (2, t, n, p)
+
+        return sorted(steps, key=order)
+
+    def take_ready_executables(self) -> None:
+        """Take the executables a progressive warm-up finished since the last call into use (the thread that
+        launches steps calls this, ``execute`` before each step). One that failed to compile, or whose
+        temporaries do not fit the memory left at warm-up, is dropped with a warning: its steps keep the larger
+        ready bucket."""
+        if self._background is not None:
+            self._install(self._background.take())
+
+    def finish_warm_up(self, timeout_s: float | None = None) -> bool:
+        """Wait for a progressive warm-up's background compiles and take them all into use; False if some were
+        still compiling after ``timeout_s``. Call it from the thread that launches steps."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._background is not None and self._background.pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._install(self._background.take(timeout_s=left))
+        return True
+
+    def stop_warm_up(self) -> None:
+        """Stop a progressive warm-up's background compiles (at shutdown): no new one starts."""
+        if self._background is not None:
+            self._background.stop()
+            self._background = None
+
+    @property
+    def num_pending_executables(self) -> int:
+        """Executables of a progressive warm-up not yet taken into use (``take_ready_executables``)."""
+        return 0 if self._background is None else len(self._background.pending)
+
+    @property
+    def num_compiling_executables(self) -> int:
+        """Executables a progressive warm-up is still compiling (0 once all have finished)."""
+        return 0 if self._background is None else self._background.compiling
+
+    def _install(self, finished: list) -> None:
+        for key, result in finished:
+            if isinstance(result, BaseException):
+                warnings.warn(f"{describe_executable(key)} failed to compile in the background ({result}); its "
+                              f"steps run in a larger bucket", RuntimeWarning, stacklevel=3)
+                continue
+            temp = step_temp_bytes(result)
+            if self._free_at_warm_up is not None and temp > self._free_at_warm_up:
+                warnings.warn(f"{describe_executable(key)} needs {temp / GIB:.2f} GiB of temporaries, more than the "
+                              f"{self._free_at_warm_up / GIB:.2f} GiB free at warm-up; its steps run in a larger "
+                              f"bucket", RuntimeWarning, stacklevel=3)
+                continue
+            self.step_temp_bytes[key] = temp
+            if key[0] == "verify":
+                self._verify_steps[key[1:]] = result
+            else:
+                self._steps[key] = result
+            self._installed += 1
+        if self._background is not None and not self._background.pending:
+            total = self._background.num_items
+            self._all_in_use = self._installed == total
+            self._background = None
+            self.all_ready_seconds = time.perf_counter() - self._warm_up_start
+            logger.info("progressive warm-up done: %d of %d background executables in use, %.1f s after it began",
+                        self._installed, total, self.all_ready_seconds)
+
+    def _ready_bucket(self, shape: tuple[int, int, int, bool]) -> tuple[int, int, int, bool]:
+        """The bucket a step picked for ``shape`` runs in: itself, or during a progressive warm-up the smallest
+        ready one that holds it, of the same drafting class (a drafting step must draft)."""
+        if self._all_in_use:
+            return shape
+        ready = {key[:4] for key in self._steps if not key[4]}
+        return smallest_ready(shape, ready, lambda a, b: self._drafting(a[1]) == self._drafting(b[1]))
 
     def compile_summary(self) -> str:
         """One line on warm-up's compiles: how many, their summed seconds and the slowest ('' if all were loaded)."""
@@ -734,9 +881,10 @@ class ModelRunner:
                     for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
         spec = self.config.speculative_config  # its drafting pause is the scheduler's alone
-        program_config = dataclasses.replace(self.config, seed=0, async_scheduling=True, compile_threads=None,
-                                             executable_cache_dir=None, speculative_config=spec and dataclasses.replace(
-                                                 spec, min_acceptance_length=None))
+        program_config = dataclasses.replace(
+            self.config, seed=0, async_scheduling=True, compile_threads=None, warm_up="full",
+            executable_cache_dir=None,
+            speculative_config=spec and dataclasses.replace(spec, min_acceptance_length=None))
         encoder = None if self.encoder is None else (avals(self.encoder._params), self.encoder.buckets,
                                                      repr(self.encoder.config), self.encoder.batch,
                                                      self.encoder._attention, repr(self.encoder._graphdef))
@@ -750,9 +898,11 @@ class ModelRunner:
 
     @property
     def compiles_after_warm_up(self) -> int:
-        """XLA compilations in this process since warm-up finished (0 while serving: every step shape is compiled
-        at start-up; another runner's warm-up in the same process counts too)."""
-        return 0 if self.compiles_at_warm_up is None else backend_compile_count() - self.compiles_at_warm_up
+        """XLA compilations in this process since warm-up finished, other than those of warm-up threads (a
+        progressive warm-up's background ones, another runner's warm-up): 0 while serving."""
+        if self.compiles_at_warm_up is None:
+            return 0
+        return backend_compile_count() - warm_up_compile_count() - self.compiles_at_warm_up
 
     def _run_each_step_once(self) -> None:
         """Run every compiled step once on its all-padding batch, which reads and writes only the reserved entry
@@ -791,6 +941,7 @@ class ModelRunner:
             return "; its largest buffers: " + ", ".join(f"{name} ({op}, {size / GIB:.2f} GiB)"
                                                           for size, name, op in top) if top else ""
 
+        self._free_at_warm_up = free
         check_step_memory(self.step_temp_bytes, free, describe)
 
     @property
@@ -832,6 +983,7 @@ class ModelRunner:
         multiplies keys past a context by a zero probability, which a NaN survives)."""
         if not self._steps:
             raise RuntimeError("ModelRunner.warm_up() has not run")
+        self.take_ready_executables()
         if self.connector is not None:  # before anything may overwrite an evicted page or slot
             self.connector.flush_saves()
         if self._poison is not None:
@@ -866,10 +1018,10 @@ class ModelRunner:
                        and not any(map(bool, (batch.use_sampling, batch.use_bitmask, batch.use_penalties,
                                               batch.want_top_logprobs))))
         if step.verify_len:
-            key = ("verify", *shape[1:3], greedy_only)
+            key = ("verify", *shape[1:3], greedy_only and (*shape[1:3], True) in self._verify_steps)
             words = self._verify_buffers[shape[1:3]].take()
         else:
-            key = (*shape, greedy_only)
+            key = (*shape, greedy_only and (*shape, True) in self._steps)
             words = self._buffers[shape].take()
         if self.multihost:  # the followers replay this launch (serve.engine.multihost)
             mask = sum(1 << i for i, a in enumerate(optional) if isinstance(a, np.ndarray))
@@ -976,8 +1128,9 @@ class ModelRunner:
             total = sum(lens)
             decode_only = all(s.num_tokens == 1 and s.context_len > 0 and not s.checkpoint_positions
                               for s in sequences)
-            t, n, p, _ = self.buckets.pick(total, len(sequences), widest, decode_only=decode_only)
-            views = self._buffers[(t, n, p, decode_only)].reset()
+            bucket = self._ready_bucket(self.buckets.pick(total, len(sequences), widest, decode_only=decode_only))
+            n = bucket[1]
+            views = self._buffers[bucket].reset()
             step = views.step
             cu = step.cu_seqlens
             cu[1:len(lens) + 1] = list(itertools.accumulate(lens))
@@ -1020,6 +1173,9 @@ class ModelRunner:
             raise ValueError(f"a verification step of {verify_len} rows per sequence, but the runner compiled "
                              f"{self.verify_len}")
         _, n, p, _ = self.buckets.pick(num_seqs, num_seqs, num_pages, decode_only=True)
+        if not self._all_in_use:  # a progressive warm-up: the smallest verification bucket in use
+            ready = {(m, m, q, True) for m, q, greedy in self._verify_steps if not greedy}
+            _, n, p, _ = smallest_ready((n, n, p, True), ready)
         return self._verify_buffers[(n, p)].reset(), n
 
     def _neutral_batch(self, t: int, n: int, p: int, decode_only: bool, verify_len: int = 0) -> StepBatch:

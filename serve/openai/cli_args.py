@@ -16,7 +16,7 @@ import os
 
 import uvicorn
 
-from serve.engine.config import KV_CACHE_DTYPES, MXFP4_BYTE_ORDERS
+from serve.engine.config import KV_CACHE_DTYPES, MXFP4_BYTE_ORDERS, WARM_UP_MODES
 from serve.openai.app import build_app
 from serve.openai.config import ServerConfig
 from serve.openai.constraints import guidance_tokenizer
@@ -93,6 +93,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--page-buckets", type=_positive_int, nargs="+", default=None, metavar="P",
                         help="block-table widths in pages compiled at start-up (default on GPU: 16, 64, 256, ... up "
                              "to the pages of --max-model-len); fewer buckets of any kind start faster, more pad less")
+    engine.add_argument("--warm-up", choices=list(WARM_UP_MODES), default="progressive",
+                        help="progressive: serve as soon as the largest buckets are compiled (every step fits them) "
+                             "and compile the others in the background, each used once ready; full: serve once "
+                             "every bucket is compiled (several hosts: always full)")
     engine.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA compile option for the engine's GPU executables, e.g. "
                              "xla_gpu_enable_triton_gemm=false (repeatable)")

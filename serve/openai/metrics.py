@@ -63,10 +63,15 @@ class _EngineCollector:
             gauge.add_metric([self._model_name], stats.router_imbalance)
             yield gauge
         compiles = GaugeMetricFamily("kimi_jax:compiles_after_warm_up",
-                                     "XLA compilations since start-up compiled every step shape (0 while serving).",
+                                     "XLA compilations while serving, other than warm-up's (0).",
                                      labels=["model_name"])
         compiles.add_metric([self._model_name], float(getattr(stats, "compiles_after_warm_up", 0)))
         yield compiles
+        pending = GaugeMetricFamily("kimi_jax:warm_up_executables_pending",
+                                    "Step executables a progressive warm-up is still compiling (0: every bucket in "
+                                    "use).", labels=["model_name"])
+        pending.add_metric([self._model_name], float(getattr(stats, "executables_pending", 0)))
+        yield pending
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:  # speculative decoding, in vLLM's names
             yield from self._spec_families(spec)

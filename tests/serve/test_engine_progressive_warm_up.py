@@ -1,0 +1,158 @@
+"""Progressive warm-up (``EngineConfig.warm_up = "progressive"``): the engine serves once its largest buckets are
+compiled, every step runs in the smallest ready bucket that holds it, and the other buckets are taken into use as
+their background compiles finish, with greedy outputs equal to the cache-free reference throughout.
+
+The background compiles are held back by a gate (``BackgroundCompiler`` wrapped) so that the tests see the engine
+both before and after they finish, whatever the speed of the machine. The small fp32 model and its reference are
+test_engine_runner.py's; differences between bucket shapes are ~1e-6 relative there, far below the prompts'
+top-2 logit gaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from serve.engine import EngineConfig, SamplingParams, ngram
+from serve.engine import runner as runner_module
+from serve.engine.background_compile import BackgroundCompiler
+from serve.engine.buckets import smallest_ready
+from serve.engine.engine import LLMEngine
+from serve.engine.runner import ModelRunner
+from tests.serve.test_engine_runner import BLOCK, PROMPTS, RUNNER_CONFIG, assert_pools_free, greedy, shared_lm
+
+CONFIG = dataclasses.replace(RUNNER_CONFIG, warm_up="progressive", seq_buckets=(2, 8))
+NAMES = ["a", "d", "f", "g", "j"]
+
+
+class Gate:
+    """Holds every background compile until ``open()``; ``fail`` names keys whose compile raises instead."""
+
+    def __init__(self, monkeypatch, fail=()):
+        self.event = threading.Event()
+        gate = self
+
+        class Held(BackgroundCompiler):
+            def __init__(self, items, build, threads, wrap=lambda fn: fn):
+                def held(key, lowered):
+                    gate.event.wait()
+                    if key in fail:
+                        raise RuntimeError("injected compile failure")
+                    return build(key, lowered)
+                super().__init__(items, held, threads, wrap)
+
+        monkeypatch.setattr(runner_module, "BackgroundCompiler", Held)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def run(engine: LLMEngine, names, params=None) -> dict[str, list[int]]:
+    for name in names:
+        engine.add_request(name, PROMPTS[name], params or greedy())
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    names = sorted(PROMPTS)
+    outs = shared_lm().generate([PROMPTS[n] for n in names], max_new_tokens=8, stop_token_ids=[])
+    return {n: out[len(PROMPTS[n]):] for n, out in zip(names, outs)}
+
+
+def test_smallest_ready_takes_the_cheapest_bucket_that_holds_the_step():
+    ready = {(64, 8, 16, False), (16, 8, 16, False), (8, 8, 16, True), (64, 2, 16, False)}
+    assert smallest_ready((16, 2, 16, False), ready) == (16, 8, 16, False)  # fewer tokens before fewer sequences
+    assert smallest_ready((16, 8, 16, False), ready) == (16, 8, 16, False)  # ready itself
+    assert smallest_ready((2, 2, 16, True), ready) == (8, 8, 16, True)  # a decode bucket before a mixed one
+    assert smallest_ready((2, 2, 4, True), {(64, 8, 16, False)}) == (64, 8, 16, False)  # decode in a mixed one
+    assert smallest_ready((16, 2, 16, False), ready, lambda a, b: b[1] == 2) == (64, 2, 16, False)
+    with pytest.raises(ValueError, match="no ready bucket"):
+        smallest_ready((16, 2, 16, False), {(8, 8, 16, True)})  # a mixed step never runs in a decode bucket
+
+
+def test_serves_from_the_largest_buckets_then_takes_the_rest_into_use(monkeypatch, reference):
+    gate = Gate(monkeypatch)
+    runner = ModelRunner(shared_lm(), CONFIG)
+    anchors = {(64, 8, 16, False, False)}
+    assert set(runner._steps) == anchors and runner.num_pending_executables == 7  # 3 mixed + 2 x 2 decode
+    assert runner.num_executables == 1 + 2  # the anchor, copy, poison
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
+    early = run(engine, NAMES)
+    assert early == {n: reference[n] for n in NAMES}
+    assert set(runner.launch_counts) == anchors  # every step, decode ones too, in the one ready bucket
+    assert_pools_free(engine)
+    assert runner.all_ready_seconds is None and engine.stats().executables_pending == 7
+
+    gate.open()
+    assert runner.finish_warm_up(timeout_s=600)
+    assert runner.num_pending_executables == 0 and runner.all_ready_seconds >= runner.warm_up_seconds
+    assert len(runner._steps) == 8 and runner.num_executables == 8 + 2
+    runner.launch_counts.clear()
+    late = run(engine, NAMES)
+    assert late == early and (8, 8, 16, True, True) in runner.launch_counts
+    assert run(engine, ["f"]) == {"f": reference["f"]}
+    assert (2, 2, 16, True, True) in runner.launch_counts  # one request decodes in its own bucket
+    assert engine.stats().compiles_after_warm_up == 0  # the background compiles are warm-up's, not serving's
+    assert engine.stats().executables_pending == 0
+    assert_pools_free(engine)
+
+
+def test_a_failed_background_compile_leaves_its_steps_on_a_larger_bucket(monkeypatch, reference):
+    failing = (2, 2, 16, True, True)
+    gate = Gate(monkeypatch, fail=(failing,))
+    runner = ModelRunner(shared_lm(), CONFIG)
+    gate.open()
+    with pytest.warns(RuntimeWarning, match="decode step T=2 N=2 P=16 greedy failed to compile"):
+        assert runner.finish_warm_up(timeout_s=600)
+    assert failing not in runner._steps and (2, 2, 16, True, False) in runner._steps
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
+    assert run(engine, ["f"]) == {"f": reference["f"]}
+    assert failing not in runner.launch_counts and (2, 2, 16, True, False) in runner.launch_counts
+
+
+def test_stopping_the_warm_up_keeps_serving_on_the_ready_buckets(monkeypatch, reference):
+    gate = Gate(monkeypatch)
+    runner = ModelRunner(shared_lm(), CONFIG)
+    runner.stop_warm_up()
+    gate.open()
+    assert runner.num_pending_executables == 0 and runner.finish_warm_up(timeout_s=1)
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
+    assert run(engine, ["a", "g"]) == {n: reference[n] for n in ("a", "g")}
+    assert set(runner.launch_counts) == {(64, 8, 16, False, False)}
+
+
+def test_speculating_engine_verifies_in_the_largest_verification_bucket_until_the_others_are_ready(
+        monkeypatch, reference):
+    """n-gram drafts of the reference continuation (so verification steps accept some): until the gate opens,
+    verification runs in the one ready verification bucket (N=8), then small batches take N=2."""
+    continuations = {tuple(PROMPTS[n]): reference[n] for n in PROMPTS}
+
+    def propose(tokens, k, lo, hi, data=None):
+        for prompt, cont in continuations.items():
+            n = len(prompt)
+            if tuple(tokens[:n]) == prompt:
+                return cont[len(tokens) - n:len(tokens) - n + k]
+        return []
+
+    monkeypatch.setattr(ngram, "propose", propose)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0, "min_acceptance_length": 0}
+    gate = Gate(monkeypatch)
+    runner = ModelRunner(shared_lm(), dataclasses.replace(CONFIG, token_buckets=(64,), speculative_config=spec))
+    assert set(runner._verify_steps) == {(8, 16, False)}
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK, speculative_config=spec))
+    assert run(engine, ["a", "f"]) == {n: reference[n] for n in ("a", "f")}
+    assert (24, 8, 16, False, False, 3) in runner.launch_counts  # verification steps ran, all at N=8
+    gate.open()
+    assert runner.finish_warm_up(timeout_s=600)
+    runner.launch_counts.clear()
+    assert run(engine, ["g"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) == {"g": reference["g"]}
+    assert (6, 2, 16, False, True, 3) in runner.launch_counts  # greedy verification of one request: N=2, Tq=3
+    assert_pools_free(engine)
