@@ -880,11 +880,12 @@ class ModelRunner:
             return [(jax.tree_util.keystr(path), tuple(a.shape), str(a.dtype), str(getattr(a, "sharding", None)))
                     for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
-        spec = self.config.speculative_config  # its drafting pause is the scheduler's alone
+        spec = self.config.speculative_config  # its drafting pause and the host's n-gram lookup shape no program
         program_config = dataclasses.replace(
             self.config, seed=0, async_scheduling=True, compile_threads=None, warm_up="full",
             executable_cache_dir=None,
-            speculative_config=spec and dataclasses.replace(spec, min_acceptance_length=None))
+            speculative_config=spec and dataclasses.replace(spec, min_acceptance_length=None, prompt_lookup_min=1,
+                                                            prompt_lookup_max=1))
         encoder = None if self.encoder is None else (avals(self.encoder._params), self.encoder.buckets,
                                                      repr(self.encoder.config), self.encoder.batch,
                                                      self.encoder._attention, repr(self.encoder._graphdef))

@@ -113,8 +113,10 @@ def test_the_fingerprint_follows_what_shapes_the_program(tmp_path):
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     speculating = [ModelRunner(shared_lm(), dataclasses.replace(cached_config(folder), speculative_config=spec),
                                warm_up=False)._executable_fingerprint()
-                   for spec in (ngram, {**ngram, "min_acceptance_length": 0}, {**ngram, "num_speculative_tokens": 3})]
-    assert speculating[0] == speculating[1] != speculating[2] != fp  # the drafting pause is the scheduler's alone
+                   for spec in (ngram, {**ngram, "min_acceptance_length": 0}, {**ngram, "num_speculative_tokens": 3},
+                                {**ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 7})]
+    # the drafting pause and the n-gram lookup run on the host: they shape no program
+    assert speculating[0] == speculating[1] == speculating[3] != speculating[2] != fp
     assert fingerprint(dict(a=1, b=2)) == fingerprint(dict(b=2, a=1)) != fingerprint(dict(a=1, b=3))
     assert len(source_digest()) == 64
 
