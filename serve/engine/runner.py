@@ -643,8 +643,8 @@ class ModelRunner:
         executables become ready.
 
         ``config.warm_up == "progressive"`` (one process): return once what no step can do without is ready (copy,
-        poison, the image encoder, and per drafting class the largest mixed bucket and the largest verification
-        bucket: every step fits one of them), and compile the other buckets on background threads
+        poison, the image encoder, and per drafting class the largest mixed bucket, the largest decode bucket and
+        the largest verification bucket: every step fits one of them), and compile the others on background threads
         (``background_compile``), small decode buckets first. ``execute`` takes each into use when it is ready;
         until then a step runs in the smallest ready bucket that holds it (``buckets.smallest_ready``), so no step
         waits for a compile. ``finish_warm_up`` waits for the rest."""
@@ -777,6 +777,7 @@ class ModelRunner:
         for drafting in {self._drafting(n) for n in b.seqs}:
             widest = max(n for n in b.seqs if self._drafting(n) == drafting)
             anchors.add((b.tokens[-1], widest, b.pages[-1], False, False))
+            anchors.add((widest, widest, b.pages[-1], True, False))  # decode steps need not pad to T tokens
         verify = self._verify_shapes()
         if verify:
             anchors.add(("verify", max(n for n, _ in verify), b.pages[-1], False))

@@ -81,15 +81,15 @@ def test_smallest_ready_takes_the_cheapest_bucket_that_holds_the_step():
 def test_serves_from_the_largest_buckets_then_takes_the_rest_into_use(monkeypatch, reference):
     gate = Gate(monkeypatch)
     runner = ModelRunner(shared_lm(), CONFIG)
-    anchors = {(64, 8, 16, False, False)}
-    assert set(runner._steps) == anchors and runner.num_pending_executables == 7  # 3 mixed + 2 x 2 decode
-    assert runner.num_executables == 1 + 2  # the anchor, copy, poison
+    anchors = {(64, 8, 16, False, False), (8, 8, 16, True, False)}  # the largest mixed and decode buckets
+    assert set(runner._steps) == anchors and runner.num_pending_executables == 6  # 3 mixed, 3 decode
+    assert runner.num_executables == 2 + 2  # the anchors, copy, poison
     engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
     early = run(engine, NAMES)
     assert early == {n: reference[n] for n in NAMES}
-    assert set(runner.launch_counts) == anchors  # every step, decode ones too, in the one ready bucket
+    assert set(runner.launch_counts) == anchors  # every step in a ready bucket, greedy decode in the general one
     assert_pools_free(engine)
-    assert runner.all_ready_seconds is None and engine.stats().executables_pending == 7
+    assert runner.all_ready_seconds is None and engine.stats().executables_pending == 6
 
     gate.open()
     assert runner.finish_warm_up(timeout_s=600)
@@ -126,7 +126,7 @@ def test_stopping_the_warm_up_keeps_serving_on_the_ready_buckets(monkeypatch, re
     assert runner.num_pending_executables == 0 and runner.finish_warm_up(timeout_s=1)
     engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
     assert run(engine, ["a", "g"]) == {n: reference[n] for n in ("a", "g")}
-    assert set(runner.launch_counts) == {(64, 8, 16, False, False)}
+    assert set(runner.launch_counts) == {(64, 8, 16, False, False), (8, 8, 16, True, False)}
 
 
 def test_speculating_engine_verifies_in_the_largest_verification_bucket_until_the_others_are_ready(
