@@ -149,7 +149,8 @@ def _serve(args: argparse.Namespace) -> int:
 
             run_kv_server(args, AsyncEngine(engine, **admission_args(args)), connector, table, kv_config)
     finally:
-        runner.stop_warm_up()
+        for replica in getattr(engine, "engines", [engine]):  # data parallel: each replica's runner
+            replica.runner.stop_warm_up()
         runner.stop_followers()
     return 0
 

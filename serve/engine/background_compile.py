@@ -4,12 +4,15 @@
 without and hands the rest here. One daemon thread lowers them in the given order (lowering holds the GIL, so
 one thread does it) and ``threads`` daemon threads compile them (XLA compiles outside the GIL). Finished ones
 wait in a queue until the thread that launches steps takes them (``take``): only that thread touches the
-runner's executable tables, so a step never sees one half installed. ``stop`` lets the threads end after the
-compile they are in; daemon threads never hold up the process's exit.
+runner's executable tables, so a step never sees one half installed. ``stop`` starts nothing new and waits for
+the lowering and compiles under way (an XLA compile cannot be interrupted, and a process that exits while one runs
+on a daemon thread crashes in XLA's teardown); an ``atexit`` hook stops a compiler the process forgot, so exiting
+waits for at most the compiles in flight.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -35,6 +38,7 @@ class BackgroundCompiler:
                           for i in range(max(1, threads))]
         for thread in self._threads:
             thread.start()
+        atexit.register(self.stop)
 
     def _lower_all(self) -> None:
         for key, make in self._items:
@@ -81,6 +85,10 @@ class BackgroundCompiler:
         return max(0, len(self.pending) - self._done.qsize())
 
     def stop(self) -> None:
-        """Start nothing new (the compiles under way finish on their daemon threads and are dropped)."""
+        """Start nothing new, wait for the lowering and compiles under way, and drop whatever is not taken yet."""
         self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
         self.pending.clear()
+        atexit.unregister(self.stop)

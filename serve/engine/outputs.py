@@ -111,7 +111,8 @@ class EngineStats:
     compiles_after_warm_up: int = 0
     """XLA compilations since the engine finished compiling its step shapes at start-up (0 while serving)."""
     executables_pending: int = 0
-    """Step executables a progressive warm-up is still compiling in the background (0 once all are in use)."""
+    """Step executables a progressive warm-up has not finished compiling (0 once none is left; each is taken into
+    use at the next step)."""
 
 
 @dataclasses.dataclass

@@ -125,15 +125,26 @@ logger = logging.getLogger(__name__)
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 _compile_count = 0
-_warm_up_compile_count = 0  # of those, the ones made on warm-up threads (``_warm_up_thread``)
+_serving_compile_count = 0  # of those, the ones not made on warm-up threads (``_warm_up_thread``)
+_count_lock = threading.Lock()  # compiles finish on several threads at once
 _thread = threading.local()
 
 
 def _count_compiles(event: str, duration_secs: float, **kwargs) -> None:
-    global _compile_count, _warm_up_compile_count
+    global _compile_count, _serving_compile_count
     if event == _BACKEND_COMPILE_EVENT:  # the listener runs on the compiling thread
-        _compile_count += 1
-        _warm_up_compile_count += getattr(_thread, "warm_up", False)
+        warm_up = getattr(_thread, "warm_up", False)
+        with _count_lock:
+            _compile_count += 1
+            _serving_compile_count += not warm_up
+
+
+def _lower_with_precision(precision, lower: Callable) -> jax.stages.Lowered:
+    """``lower()`` under the matmul precision ``precision`` (None: the global default)."""
+    if precision is None:
+        return lower()
+    with jax.default_matmul_precision(precision):
+        return lower()
 
 
 def _warm_up_thread(fn: Callable) -> Callable:
@@ -156,10 +167,10 @@ def backend_compile_count() -> int:
     return _compile_count
 
 
-def warm_up_compile_count() -> int:
-    """Of ``backend_compile_count``, those made on the threads of some runner's warm-up (foreground or
-    background)."""
-    return _warm_up_compile_count
+def serving_compile_count() -> int:
+    """Of ``backend_compile_count``, those not made on the compile threads of some runner's warm-up (foreground
+    or background)."""
+    return _serving_compile_count
 
 
 def _param_path(path: tuple) -> str:
@@ -439,7 +450,9 @@ class ModelRunner:
         self._free_at_warm_up: int | None = None  # device bytes free for a step's temporaries (GPU)
         self._all_in_use = True  # every planned bucket has its executable (else steps take the smallest ready one)
         self._installed = 0  # executables a progressive warm-up took into use after it returned
-        self.compile_seconds: dict = {}  # executable key -> seconds its compile took at warm-up (not loaded ones)
+        self._ready_memo: dict = {}  # picked bucket -> the ready bucket it runs in (progressive warm-up)
+        self.compile_seconds: dict = {}  # executable key -> seconds its compile took (warm-up's, background ones
+        # included; not loaded ones)
         self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
         self.executable_cache: ExecutableCache | None = None  # config.executable_cache_dir's, after warm_up
         self._executable_cache_off = False  # set when a loaded executable could not run
@@ -760,16 +773,20 @@ class ModelRunner:
         self.warm_up_seconds = time.perf_counter() - start
         self.all_ready_seconds = None if later else self.warm_up_seconds
         self._all_in_use = not later
-        self.compiles_at_warm_up = backend_compile_count() - warm_up_compile_count()
+        self._ready_memo.clear()
+        self.compiles_at_warm_up = serving_compile_count()
         if later:
             self._installed = 0
-            self._background = BackgroundCompiler([(key, planned[key]) for key in later], build, threads,
-                                                  wrap=_warm_up_thread)
+            # the caller's thread-local JAX settings (``with jax.default_matmul_precision(...)``) shape what it
+            # lowered; another thread does not inherit them
+            precision = jax.config.jax_default_matmul_precision
+            items = [(key, partial(_lower_with_precision, precision, planned[key])) for key in later]
+            self._background = BackgroundCompiler(items, build, threads, wrap=_warm_up_thread)
 
     def _deferred_keys(self, planned: dict) -> list:
-        """The step keys a progressive warm-up compiles in the background, in the order it compiles them (decode
-        buckets by sequences and pages, then verification, then mixed buckets by tokens); [] for a full warm-up
-        or several processes (every process must hold every executable the leader may launch)."""
+        """The step keys a progressive warm-up compiles in the background, in the order it compiles them (by
+        sequences, then pages, then tokens: a lightly loaded server's buckets first); [] for a full warm-up or
+        several processes (every process must hold every executable the leader may launch)."""
         if self.config.warm_up != "progressive" or self.multihost:
             return []
         b = self.buckets
@@ -781,14 +798,15 @@ class ModelRunner:
         verify = self._verify_shapes()
         if verify:
             anchors.add(("verify", max(n for n, _ in verify), b.pages[-1], False))
-        steps = [key for key in planned if not isinstance(key, str) and key[0] != "copy" and key not in anchors
+        steps = [key for key in planned if not isinstance(key, str) and key not in anchors
                  and (key[0] == "verify" or isinstance(key[0], int))]
 
-        def order(key):
+        def order(key):  # the buckets a lightly loaded server needs first: few sequences, short tables, few tokens
             if key[0] == "verify":
-                return (1, key[1], key[2], key[3])
+                _, n, p, greedy = key
+                return n, p, n * self.verify_len, 1, greedy
             t, n, p, decode_only, greedy = key
-            return (0, n, p, greedy) if decode_only else (2, t, n, p)
+            return n, p, t, 0 if decode_only else 2, greedy
 
         return sorted(steps, key=order)
 
@@ -797,37 +815,46 @@ class ModelRunner:
         launches steps calls this, ``execute`` before each step). One that failed to compile, or whose
         temporaries do not fit the memory left at warm-up, is dropped with a warning: its steps keep the larger
         ready bucket."""
-        if self._background is not None:
-            self._install(self._background.take())
+        background = self._background
+        if background is not None:
+            self._install(background, background.take())
 
     def finish_warm_up(self, timeout_s: float | None = None) -> bool:
         """Wait for a progressive warm-up's background compiles and take them all into use; False if some were
         still compiling after ``timeout_s``. Call it from the thread that launches steps."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._background is not None and self._background.pending:
+        while (background := self._background) is not None and background.pending:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            self._install(self._background.take(timeout_s=left))
+            self._install(background, background.take(timeout_s=left))
         return True
 
     def stop_warm_up(self) -> None:
-        """Stop a progressive warm-up's background compiles (at shutdown): no new one starts."""
-        if self._background is not None:
-            self._background.stop()
-            self._background = None
+        """Stop a progressive warm-up's background compiles (at shutdown): no new one starts, and this waits for
+        those under way. Steps keep the buckets already in use."""
+        background, self._background = self._background, None
+        if background is not None:
+            background.stop()
 
     @property
     def num_pending_executables(self) -> int:
         """Executables of a progressive warm-up not yet taken into use (``take_ready_executables``)."""
-        return 0 if self._background is None else len(self._background.pending)
+        background = self._background
+        return 0 if background is None else len(background.pending)
 
     @property
     def num_compiling_executables(self) -> int:
         """Executables a progressive warm-up is still compiling (0 once all have finished)."""
-        return 0 if self._background is None else self._background.compiling
+        background = self._background
+        return 0 if background is None else background.compiling
 
-    def _install(self, finished: list) -> None:
+    def _install(self, background: BackgroundCompiler, finished: list) -> None:
+        """Put ``finished`` (key, executable or exception) of ``background`` into the executable tables. A
+        background bucket is not run on an all-padding batch first as warm-up's are: that would stall the steps in
+        flight, and a bucket that cannot run fails its first step as any failed step does (the engine fails its
+        requests and recovers); its first step also records its CUDA graph."""
+        self._ready_memo.clear()
         for key, result in finished:
             if isinstance(result, BaseException):
                 warnings.warn(f"{describe_executable(key)} failed to compile in the background ({result}); its "
@@ -845,8 +872,8 @@ class ModelRunner:
             else:
                 self._steps[key] = result
             self._installed += 1
-        if self._background is not None and not self._background.pending:
-            total = self._background.num_items
+        if self._background is background and not background.pending:
+            total = background.num_items
             self._all_in_use = self._installed == total
             self._background = None
             self.all_ready_seconds = time.perf_counter() - self._warm_up_start
@@ -858,15 +885,19 @@ class ModelRunner:
         ready one that holds it, of the same drafting class (a drafting step must draft)."""
         if self._all_in_use:
             return shape
-        ready = {key[:4] for key in self._steps if not key[4]}
-        return smallest_ready(shape, ready, lambda a, b: self._drafting(a[1]) == self._drafting(b[1]))
+        if shape not in self._ready_memo:  # cleared whenever a bucket is taken into use
+            ready = {key[:4] for key in self._steps if not key[4]}
+            self._ready_memo[shape] = smallest_ready(shape, ready,
+                                                     lambda a, b: self._drafting(a[1]) == self._drafting(b[1]))
+        return self._ready_memo[shape]
 
     def compile_summary(self) -> str:
         """One line on warm-up's compiles: how many, their summed seconds and the slowest ('' if all were loaded)."""
-        if not self.compile_seconds:
+        seconds = list(self.compile_seconds.items())  # one C-level copy: background compiles may add entries
+        if not seconds:
             return ""
-        key, slowest = max(self.compile_seconds.items(), key=lambda kv: kv[1])
-        return (f"{len(self.compile_seconds)} executables compiled, {sum(self.compile_seconds.values()):.1f} s of "
+        key, slowest = max(seconds, key=lambda kv: kv[1])
+        return (f"{len(seconds)} executables compiled, {sum(s for _, s in seconds):.1f} s of "
                 f"compiling summed over threads; slowest {slowest:.1f} s: {describe_executable(key)}")
 
     def _open_executable_cache(self) -> ExecutableCache | None:
@@ -900,11 +931,10 @@ class ModelRunner:
 
     @property
     def compiles_after_warm_up(self) -> int:
-        """XLA compilations in this process since warm-up finished, other than those of warm-up threads (a
-        progressive warm-up's background ones, another runner's warm-up): 0 while serving."""
-        if self.compiles_at_warm_up is None:
-            return 0
-        return backend_compile_count() - warm_up_compile_count() - self.compiles_at_warm_up
+        """XLA compilations in this process since warm-up finished, other than those on warm-up compile threads (a
+        progressive warm-up's background ones; another runner's, though its main-thread compiles count): 0 while
+        serving."""
+        return 0 if self.compiles_at_warm_up is None else serving_compile_count() - self.compiles_at_warm_up
 
     def _run_each_step_once(self) -> None:
         """Run every compiled step once on its all-padding batch, which reads and writes only the reserved entry
@@ -1027,7 +1057,7 @@ class ModelRunner:
             words = self._buffers[shape].take()
         if self.multihost:  # the followers replay this launch (serve.engine.multihost)
             mask = sum(1 << i for i, a in enumerate(optional) if isinstance(a, np.ndarray))
-            multihost.announce(multihost.STEP, (*shape[:3], int(shape[3]), int(greedy_only), mask),
+            multihost.announce(multihost.STEP, (*shape[:3], int(shape[3]), int(key[-1]), mask),
                                (words, tuple(a for a in optional if isinstance(a, np.ndarray))))
         sampled = self.launch_step(key, words, optional)
         self._rows = {seq.request_id: i for i, seq in enumerate(out.sequences)}

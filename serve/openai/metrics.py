@@ -68,8 +68,8 @@ class _EngineCollector:
         compiles.add_metric([self._model_name], float(getattr(stats, "compiles_after_warm_up", 0)))
         yield compiles
         pending = GaugeMetricFamily("kimi_jax:warm_up_executables_pending",
-                                    "Step executables a progressive warm-up is still compiling (0: every bucket in "
-                                    "use).", labels=["model_name"])
+                                    "Step executables a progressive warm-up has not finished compiling (0: none "
+                                    "left, or the warm-up stopped).", labels=["model_name"])
         pending.add_metric([self._model_name], float(getattr(stats, "executables_pending", 0)))
         yield pending
         spec = getattr(stats, "spec_decode", None)

@@ -11,6 +11,11 @@ top-2 logit gaps.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -156,3 +161,21 @@ def test_speculating_engine_verifies_in_the_largest_verification_bucket_until_th
     assert run(engine, ["g"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) == {"g": reference["g"]}
     assert (6, 2, 16, False, True, 3) in runner.launch_counts  # greedy verification of one request: N=2, Tq=3
     assert_pools_free(engine)
+
+
+def test_a_process_that_exits_mid_warm_up_exits_cleanly():
+    """Exiting while background compiles run (no stop_warm_up) waits for them instead of crashing in XLA's
+    teardown (SIGSEGV / SIGABRT before the atexit hook)."""
+    script = textwrap.dedent("""
+        import dataclasses
+        from serve.engine.runner import ModelRunner
+        from tests.serve.test_engine_progressive_warm_up import CONFIG
+        from tests.serve.test_engine_runner import shared_lm
+        runner = ModelRunner(shared_lm(), dataclasses.replace(CONFIG, page_buckets=(4, 8, 16)))
+        print("pending", runner.num_pending_executables, flush=True)
+    """)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split("pending")[1]) > 0  # it did exit with compiles under way
