@@ -20,6 +20,7 @@ import threading
 
 import pytest
 
+from serve.bench.hit_rates import run_to_completion
 from serve.engine import EngineConfig, SamplingParams, ngram
 from serve.engine import runner as runner_module
 from serve.engine.background_compile import BackgroundCompiler
@@ -55,14 +56,11 @@ class Gate:
 
 
 def run(engine: LLMEngine, names, params=None) -> dict[str, list[int]]:
+    """Output token ids of the prompts ``names``, run together to completion (background compiles may finish
+    meanwhile, so no compile count is asserted here)."""
     for name in names:
         engine.add_request(name, PROMPTS[name], params or greedy())
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    return run_to_completion(engine)
 
 
 @pytest.fixture(scope="module")
