@@ -34,17 +34,18 @@ NAMES = ["a", "d", "f", "g", "j"]
 
 
 class Gate:
-    """Holds every background compile until ``open()``; ``fail`` names keys whose compile raises instead."""
+    """Holds every background compile until ``open()``; a compile of a key in ``fail`` raises instead."""
 
-    def __init__(self, monkeypatch, fail=()):
+    def __init__(self, monkeypatch):
         self.event = threading.Event()
+        self.fail = ()
         gate = self
 
         class Held(BackgroundCompiler):
             def __init__(self, items, build, threads, wrap=lambda fn: fn):
                 def held(key, lowered):
                     gate.event.wait()
-                    if key in fail:
+                    if key in gate.fail:
                         raise RuntimeError("injected compile failure")
                     return build(key, lowered)
                 super().__init__(items, held, threads, wrap)
@@ -53,6 +54,14 @@ class Gate:
 
     def open(self) -> None:
         self.event.set()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """A closed Gate, opened at teardown (stopping a compiler waits for its compiles, so none may stay held)."""
+    held = Gate(monkeypatch)
+    yield held
+    held.open()
 
 
 def run(engine: LLMEngine, names, params=None) -> dict[str, list[int]]:
@@ -81,8 +90,7 @@ def test_smallest_ready_takes_the_cheapest_bucket_that_holds_the_step():
         smallest_ready((16, 2, 16, False), {(8, 8, 16, True)})  # a mixed step never runs in a decode bucket
 
 
-def test_serves_from_the_largest_buckets_then_takes_the_rest_into_use(monkeypatch, reference):
-    gate = Gate(monkeypatch)
+def test_serves_from_the_largest_buckets_then_takes_the_rest_into_use(gate, reference):
     runner = ModelRunner(shared_lm(), CONFIG)
     anchors = {(64, 8, 16, False, False), (8, 8, 16, True, False)}  # the largest mixed and decode buckets
     assert set(runner._steps) == anchors and runner.num_pending_executables == 6  # 3 mixed, 3 decode
@@ -108,9 +116,9 @@ def test_serves_from_the_largest_buckets_then_takes_the_rest_into_use(monkeypatc
     assert_pools_free(engine)
 
 
-def test_a_failed_background_compile_leaves_its_steps_on_a_larger_bucket(monkeypatch, reference):
+def test_a_failed_background_compile_leaves_its_steps_on_a_larger_bucket(gate, reference):
     failing = (2, 2, 16, True, True)
-    gate = Gate(monkeypatch, fail=(failing,))
+    gate.fail = (failing,)
     runner = ModelRunner(shared_lm(), CONFIG)
     gate.open()
     with pytest.warns(RuntimeWarning, match="decode step T=2 N=2 P=16 greedy failed to compile"):
@@ -121,21 +129,18 @@ def test_a_failed_background_compile_leaves_its_steps_on_a_larger_bucket(monkeyp
     assert failing not in runner.launch_counts and (2, 2, 16, True, False) in runner.launch_counts
 
 
-def test_stopping_the_warm_up_keeps_serving_on_the_ready_buckets(monkeypatch, reference):
-    gate = Gate(monkeypatch)
+def test_stopping_the_warm_up_keeps_serving_on_the_ready_buckets(gate, reference):
     runner = ModelRunner(shared_lm(), CONFIG)
+    gate.open()  # (stopping waits for the compiles under way)
     runner.stop_warm_up()
-    gate.open()
     assert runner.num_pending_executables == 0 and runner.finish_warm_up(timeout_s=1)
     engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
     assert run(engine, ["a", "g"]) == {n: reference[n] for n in ("a", "g")}
     assert set(runner.launch_counts) == {(64, 8, 16, False, False), (8, 8, 16, True, False)}
 
 
-def test_speculating_engine_verifies_in_the_largest_verification_bucket_until_the_others_are_ready(
-        monkeypatch, reference):
-    """n-gram drafts of the reference continuation (so verification steps accept some): until the gate opens,
-    verification runs in the one ready verification bucket (N=8), then small batches take N=2."""
+def reference_drafts(monkeypatch, reference) -> None:
+    """n-gram drafts are the reference continuation, so verification steps accept them."""
     continuations = {tuple(PROMPTS[n]): reference[n] for n in PROMPTS}
 
     def propose(tokens, k, lo, hi, data=None):
@@ -146,8 +151,14 @@ def test_speculating_engine_verifies_in_the_largest_verification_bucket_until_th
         return []
 
     monkeypatch.setattr(ngram, "propose", propose)
+
+
+def test_speculating_engine_verifies_in_the_largest_verification_bucket_until_the_others_are_ready(
+        monkeypatch, gate, reference):
+    """Until the gate opens, verification runs in the one ready verification bucket (N=8), then small batches take
+    N=2."""
+    reference_drafts(monkeypatch, reference)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0, "min_acceptance_length": 0}
-    gate = Gate(monkeypatch)
     runner = ModelRunner(shared_lm(), dataclasses.replace(CONFIG, token_buckets=(64,), speculative_config=spec))
     assert set(runner._verify_steps) == {(8, 16, False)}
     engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK, speculative_config=spec))
@@ -177,3 +188,22 @@ def test_a_process_that_exits_mid_warm_up_exits_cleanly():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split("pending")[1]) > 0  # it did exit with compiles under way
+
+
+def test_steps_keep_to_their_drafting_class(monkeypatch, gate, reference):
+    """``disable_by_batch_size`` 3 over sequence buckets (2, 8): N=2 steps may be followed by verification, N=8
+    steps never are, and they compile different programs, so each class has its own largest buckets before
+    serving and a step never borrows the other class's."""
+    reference_drafts(monkeypatch, reference)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 3, "min_acceptance_length": 0}
+    runner = ModelRunner(shared_lm(), dataclasses.replace(CONFIG, token_buckets=(64,), speculative_config=spec))
+    assert set(runner._steps) == {(64, 2, 16, False, False), (64, 8, 16, False, False), (2, 2, 16, True, False),
+                                  (8, 8, 16, True, False)}
+    assert set(runner._verify_steps) == {(2, 16, False)}
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK, speculative_config=spec))
+    assert run(engine, ["a", "f"]) == {n: reference[n] for n in ("a", "f")}  # two requests: they speculate
+    assert (6, 2, 16, False, False, 3) in runner.launch_counts
+    runner.launch_counts.clear()
+    assert run(engine, ["d", "g", "j"]) == {n: reference[n] for n in ("d", "g", "j")}  # three: they do not
+    assert set(runner.launch_counts) <= {(64, 8, 16, False, False), (8, 8, 16, True, False)}
+    assert_pools_free(engine)
