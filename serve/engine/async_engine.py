@@ -207,6 +207,7 @@ class AsyncEngine:
                     for output in outputs:
                         self._deliver(output.request_id, output)
                 else:
+                    engine.idle()
                     self._stats = engine.stats()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()

@@ -112,6 +112,11 @@ class DataParallelEngine:
     def is_idle(self) -> bool:
         return all(e.is_idle() for e in self.engines)
 
+    def idle(self) -> None:
+        """Each replica's ``LLMEngine.idle``."""
+        for engine in self.engines:
+            engine.idle()
+
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for replica, engine in enumerate(self.engines):

@@ -283,6 +283,15 @@ class LLMEngine:
         """No request left and no page or slot referenced (the prefix cache may still hold entries)."""
         return not self.has_unfinished_requests() and self.scheduler.cache.is_idle()
 
+    def idle(self) -> None:
+        """Use a moment without requests: a progressive warm-up's finished executables are taken into use and run
+        once (``ModelRunner.prime_ready_executables``), so no request pays for loading them. A no-op while any
+        request or step is in flight."""
+        if self.has_unfinished_requests():
+            return
+        if self.runner.prime_ready_executables():  # one could not run, and the pools were rebuilt
+            self.scheduler.cache.clear_prefix_cache()
+
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Launch the next step, finish the step in flight, and return the outputs of the finished step.

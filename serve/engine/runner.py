@@ -810,6 +810,25 @@ class ModelRunner:
 
         return sorted(steps, key=order)
 
+    def prime_ready_executables(self) -> bool:
+        """On an idle engine (no step in flight, no request running): take the executables a progressive warm-up
+        finished into use and run each once on its all-padding batch, as warm-up runs its own, so that no request's
+        step loads their kernels or records their CUDA graphs. One that cannot run is dropped with a warning and the
+        pools are rebuilt (``recover``); returns True then: the caller must empty its prefix cache."""
+        background = self._background
+        if background is None:
+            return False
+        lost = False
+        for key in self._install(background, background.take()):
+            try:
+                self._run_each_step_once([key])
+            except RuntimeError as err:
+                warnings.warn(f"{describe_executable(key)} compiled in the background but cannot run ({err}); its "
+                              f"steps run in a larger bucket", RuntimeWarning, stacklevel=2)
+                self._drop(key)
+                lost = self.recover() or lost
+        return lost
+
     def take_ready_executables(self) -> None:
         """Take the executables a progressive warm-up finished since the last call into use (the thread that
         launches steps calls this, ``execute`` before each step). One that failed to compile, or whose
@@ -849,12 +868,14 @@ class ModelRunner:
         background = self._background
         return 0 if background is None else background.compiling
 
-    def _install(self, background: BackgroundCompiler, finished: list) -> None:
-        """Put ``finished`` (key, executable or exception) of ``background`` into the executable tables. A
-        background bucket is not run on an all-padding batch first as warm-up's are: that would stall the steps in
-        flight, and a bucket that cannot run fails its first step as any failed step does (the engine fails its
-        requests and recovers); its first step also records its CUDA graph."""
+    def _install(self, background: BackgroundCompiler, finished: list) -> list:
+        """Put ``finished`` (key, executable or exception) of ``background`` into the executable tables; -> the
+        keys put there. Taken while steps run (``take_ready_executables``), a bucket is not run on an all-padding
+        batch first as warm-up's are (that would stall the steps in flight): its first step loads its kernels and
+        records its CUDA graph, and one that cannot run fails that step as any failed step does (the engine fails
+        its requests and recovers). ``prime_ready_executables`` runs them first on an idle engine."""
         self._ready_memo.clear()
+        installed = []
         for key, result in finished:
             if isinstance(result, BaseException):
                 warnings.warn(f"{describe_executable(key)} failed to compile in the background ({result}); its "
@@ -872,6 +893,7 @@ class ModelRunner:
             else:
                 self._steps[key] = result
             self._installed += 1
+            installed.append(key)
         if self._background is background and not background.pending:
             total = background.num_items
             self._all_in_use = self._installed == total
@@ -879,6 +901,16 @@ class ModelRunner:
             self.all_ready_seconds = time.perf_counter() - self._warm_up_start
             logger.info("progressive warm-up done: %d of %d background executables in use, %.1f s after it began",
                         self._installed, total, self.all_ready_seconds)
+        return installed
+
+    def _drop(self, key) -> None:
+        """Forget a background executable that cannot run: its steps take a larger ready bucket."""
+        if key[0] == "verify":
+            self._verify_steps.pop(key[1:], None)
+        else:
+            self._steps.pop(key, None)
+        self._ready_memo.clear()
+        self._all_in_use = False
 
     def _ready_bucket(self, shape: tuple[int, int, int, bool]) -> tuple[int, int, int, bool]:
         """The bucket a step picked for ``shape`` runs in: itself, or during a progressive warm-up the smallest
@@ -936,15 +968,16 @@ class ModelRunner:
         serving."""
         return 0 if self.compiles_at_warm_up is None else serving_compile_count() - self.compiles_at_warm_up
 
-    def _run_each_step_once(self) -> None:
-        """Run every compiled step once on its all-padding batch, which reads and writes only the reserved entry
-        0 of each pool. A step that cannot run (e.g. out of device memory at run time, which the compile-time
-        memory check can miss) then fails at start-up with its bucket named, not at the first request that needs
-        it. On GPU this also records each step's CUDA graph before serving."""
+    def _run_each_step_once(self, keys: Sequence | None = None) -> None:
+        """Run every compiled step (or those of ``keys``, warm-up's key form) once on its all-padding batch, which
+        reads and writes only the reserved entry 0 of each pool. A step that cannot run (e.g. out of device memory
+        at run time, which the compile-time memory check can miss) then fails at start-up with its bucket named,
+        not at the first request that needs it. On GPU this also loads its kernels and records its CUDA graph."""
         runs = [(step, self._buffers[key[:4]], key[1], "decode" + (" (greedy)" if key[4] else "") if key[3]
-                 else "mixed", key[:3]) for key, step in self._steps.items()]
+                 else "mixed", key[:3]) for key, step in self._steps.items() if keys is None or key in keys]
         runs += [(step, self._verify_buffers[key[:2]], key[0], "verify" + (" (greedy)" if key[2] else ""),
-                  (key[0] * self.verify_len, key[0], key[1])) for key, step in self._verify_steps.items()]
+                  (key[0] * self.verify_len, key[0], key[1])) for key, step in self._verify_steps.items()
+                 if keys is None or ("verify", *key) in keys]
         for step, buffer, seqs, kind, (tokens, _, pages) in runs:
             buffer.reset()
             optional = tuple(self._neutral_sampling(seqs)[name] for name in OPTIONAL_SAMPLING)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -206,4 +207,34 @@ def test_steps_keep_to_their_drafting_class(monkeypatch, gate, reference):
     runner.launch_counts.clear()
     assert run(engine, ["d", "g", "j"]) == {n: reference[n] for n in ("d", "g", "j")}  # three: they do not
     assert set(runner.launch_counts) <= {(64, 8, 16, False, False), (8, 8, 16, True, False)}
+    assert_pools_free(engine)
+
+
+def test_an_idle_engine_takes_finished_executables_into_use_and_runs_them_once(monkeypatch, gate, reference):
+    """``LLMEngine.idle`` (the server's engine loop calls it when no request is left) installs what the background
+    finished and runs each once on its all-padding batch, as warm-up does, so a request's first step in a new
+    bucket loads no kernels; one that cannot run is dropped with a warning and its steps take a larger bucket."""
+    runner = ModelRunner(shared_lm(), CONFIG)
+    engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
+    gate.open()
+    deadline = time.monotonic() + 600
+    while runner.num_compiling_executables and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runner.num_compiling_executables == 0 and runner.num_pending_executables == 6  # finished, not taken
+    broken, ran = (16, 2, 16, False, False), []
+    run_once = runner._run_each_step_once
+
+    def spy(keys=None):
+        ran.extend(keys)
+        if keys == [broken]:
+            raise RuntimeError("cannot run")
+        run_once(keys)
+
+    monkeypatch.setattr(runner, "_run_each_step_once", spy)
+    with pytest.warns(RuntimeWarning, match="mixed step T=16 N=2 P=16 compiled in the background but cannot run"):
+        engine.idle()
+    assert len(ran) == 6 and runner.num_pending_executables == 0
+    assert broken not in runner._steps and len(runner._steps) == 7
+    assert run(engine, ["f"]) == {"f": reference["f"]}
+    assert (16, 8, 16, False, False) in runner.launch_counts and broken not in runner.launch_counts  # fewest tokens
     assert_pools_free(engine)
