@@ -130,11 +130,18 @@ class CacheManager:
         """No page or slot is referenced (every request has ended); the cache may still hold entries."""
         return self.pages.pool.num_referenced == 0 and self.slots.pool.num_referenced == 0
 
-    def clear_prefix_cache(self) -> None:
-        """Evict every unreferenced page and checkpoint (spilled to the host tier when there is one)."""
-        while self.prefix.evict_checkpoint() or self.prefix.evict_page():
-            pass
-        if self.connector is not None:
+    def clear_prefix_cache(self, *, spill: bool = True) -> None:
+        """Evict every unreferenced page and checkpoint, spilled to the host tier when there is one and ``spill``
+        (False after the device pools were rebuilt: their contents are zeros, not the entries')."""
+        listener = self.prefix.evictions
+        if not spill:
+            self.prefix.evictions = None
+        try:
+            while self.prefix.evict_checkpoint() or self.prefix.evict_page():
+                pass
+        finally:
+            self.prefix.evictions = listener
+        if self.connector is not None and spill:
             self.connector.flush_saves()
 
     def checkpoint_count(self) -> int:

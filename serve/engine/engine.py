@@ -284,13 +284,16 @@ class LLMEngine:
         return not self.has_unfinished_requests() and self.scheduler.cache.is_idle()
 
     def idle(self) -> None:
-        """Use a moment without requests: a progressive warm-up's finished executables are taken into use and run
-        once (``ModelRunner.prime_ready_executables``), so no request pays for loading them. A no-op while any
-        request or step is in flight."""
+        """Use a moment without requests: a progressive warm-up's finished executables are taken into use and a
+        few of them run once (``ModelRunner.prime_ready_executables``), so no request pays for loading them. A
+        no-op while any request or step is in flight; an error is logged, never raised (the loop keeps serving)."""
         if self.has_unfinished_requests():
             return
-        if self.runner.prime_ready_executables():  # one could not run, and the pools were rebuilt
-            self.scheduler.cache.clear_prefix_cache()
+        try:
+            if self.runner.prime_ready_executables():  # one could not run, and the pools were rebuilt
+                self.scheduler.cache.clear_prefix_cache(spill=False)
+        except Exception:  # noqa: BLE001 - priming is an optimisation; a request's step would meet the same fault
+            logger.exception("priming the executables a progressive warm-up finished failed")
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
@@ -368,7 +371,7 @@ class LLMEngine:
         if lost:
             logger.error("the device state was lost with the step: cache pools rebuilt, running requests failed")
             failed += self.scheduler.fail_running(DEVICE_LOST_MESSAGE)
-            self.scheduler.cache.clear_prefix_cache()
+            self.scheduler.cache.clear_prefix_cache(spill=False)  # the rebuilt pools hold zeros
             self._in_flight = None
         return failed
 

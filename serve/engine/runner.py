@@ -24,8 +24,10 @@ encoded yet are encoded in batches into their pool rows; the step then feeds eac
 ``vocab_size + row`` (``kimi_jax.model.embed_tokens`` reads the row).
 
 Every executable is compiled at warm-up (``warm_up``), and every step is run once there on an all-padding
-batch so that a step the device cannot run fails at start-up; calling a compiled executable never traces or
-compiles, and ``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
+batch so that a step the device cannot run fails at start-up; a progressive warm-up compiles most buckets on
+background threads instead, taken into use between steps and run once when the engine is idle
+(``prime_ready_executables``). Calling a compiled executable never traces or compiles, and
+``backend_compile_count`` (a ``jax.monitoring`` listener) lets tests prove it.
 
 Placement: parameters, caches and step inputs carry ``NamedSharding``s of ``mesh`` (one device by default,
 everything replicated). On a multi-device mesh the step's forward runs every sublayer inside ``jax.shard_map``
@@ -122,6 +124,7 @@ def add_gpu_compiler_options(options: list[str]) -> None:
 
 
 logger = logging.getLogger(__name__)
+PRIME_PER_CALL = 4  # background executables an idle engine runs once per idle tick (``prime_ready_executables``)
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 _compile_count = 0
@@ -451,6 +454,7 @@ class ModelRunner:
         self._all_in_use = True  # every planned bucket has its executable (else steps take the smallest ready one)
         self._installed = 0  # executables a progressive warm-up took into use after it returned
         self._ready_memo: dict = {}  # picked bucket -> the ready bucket it runs in (progressive warm-up)
+        self._unprimed: dict = {}  # background executables no step has run yet (an ordered set)
         self.compile_seconds: dict = {}  # executable key -> seconds its compile took (warm-up's, background ones
         # included; not loaded ones)
         self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
@@ -774,6 +778,7 @@ class ModelRunner:
         self.all_ready_seconds = None if later else self.warm_up_seconds
         self._all_in_use = not later
         self._ready_memo.clear()
+        self._unprimed.clear()
         self.compiles_at_warm_up = serving_compile_count()
         if later:
             self._installed = 0
@@ -810,21 +815,27 @@ class ModelRunner:
 
         return sorted(steps, key=order)
 
-    def prime_ready_executables(self) -> bool:
+    def prime_ready_executables(self, limit: int = PRIME_PER_CALL) -> bool:
         """On an idle engine (no step in flight, no request running): take the executables a progressive warm-up
-        finished into use and run each once on its all-padding batch, as warm-up runs its own, so that no request's
-        step loads their kernels or records their CUDA graphs. One that cannot run is dropped with a warning and the
-        pools are rebuilt (``recover``); returns True then: the caller must empty its prefix cache."""
-        background = self._background
-        if background is None:
+        finished into use and run up to ``limit`` of those no step has run yet once on their all-padding batches,
+        as warm-up runs its own, so that no request's step loads their kernels or records their CUDA graphs (a few
+        per call: a request that arrives meanwhile waits for them). One that cannot run is dropped with a warning
+        and the pools are rebuilt (``recover``); returns True then: the caller must empty its prefix cache."""
+        if self.multihost:  # (progressive warm-up is off there: followers would have to replay these runs)
             return False
+        background = self._background
+        if background is not None:
+            self._install(background, background.take())
         lost = False
-        for key in self._install(background, background.take()):
+        for key in list(self._unprimed)[:limit]:
+            del self._unprimed[key]
             try:
                 self._run_each_step_once([key])
             except RuntimeError as err:
-                warnings.warn(f"{describe_executable(key)} compiled in the background but cannot run ({err}); its "
-                              f"steps run in a larger bucket", RuntimeWarning, stacklevel=2)
+                if not isinstance(err.__cause__, jax.errors.JaxRuntimeError):
+                    raise
+                warnings.warn(f"{describe_executable(key)} compiled in the background but cannot run: "
+                              f"{err.__cause__}; its steps run in a larger bucket", RuntimeWarning, stacklevel=2)
                 self._drop(key)
                 lost = self.recover() or lost
         return lost
@@ -893,6 +904,7 @@ class ModelRunner:
             else:
                 self._steps[key] = result
             self._installed += 1
+            self._unprimed[key] = None
             installed.append(key)
         if self._background is background and not background.pending:
             total = background.num_items
@@ -909,6 +921,8 @@ class ModelRunner:
             self._verify_steps.pop(key[1:], None)
         else:
             self._steps.pop(key, None)
+        self.step_temp_bytes.pop(key, None)
+        self._installed -= 1  # so that the last arrival cannot count it back in
         self._ready_memo.clear()
         self._all_in_use = False
 
@@ -971,8 +985,9 @@ class ModelRunner:
     def _run_each_step_once(self, keys: Sequence | None = None) -> None:
         """Run every compiled step (or those of ``keys``, warm-up's key form) once on its all-padding batch, which
         reads and writes only the reserved entry 0 of each pool. A step that cannot run (e.g. out of device memory
-        at run time, which the compile-time memory check can miss) then fails at start-up with its bucket named,
-        not at the first request that needs it. On GPU this also loads its kernels and records its CUDA graph."""
+        at run time, which the compile-time memory check can miss) then fails here with its bucket named (at
+        start-up, or for a background executable while the engine is idle), not at the first request that needs
+        it. On GPU this also loads its kernels and records its CUDA graph."""
         runs = [(step, self._buffers[key[:4]], key[1], "decode" + (" (greedy)" if key[4] else "") if key[3]
                  else "mixed", key[:3]) for key, step in self._steps.items() if keys is None or key in keys]
         runs += [(step, self._verify_buffers[key[:2]], key[0], "verify" + (" (greedy)" if key[2] else ""),
@@ -1107,6 +1122,8 @@ class ModelRunner:
             words = self._put(words)
             optional = tuple(self._put(a) if isinstance(a, np.ndarray) else a for a in optional)
         executable = self._verify_steps[key[1:]] if key[0] == "verify" else self._steps[key]
+        if self._unprimed:
+            self._unprimed.pop(key, None)  # this step runs it first
         self.launch_counts[key if key[0] != "verify" else (key[1] * self.verify_len, *key[1:3], False, key[3],
                                                             self.verify_len)] += 1
         self._last_launch = (executable, (words, optional, self._carry, self._router_totals))

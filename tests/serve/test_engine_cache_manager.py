@@ -244,3 +244,28 @@ def test_admission_check_counts_unreferenced_hit_pages_and_slots():
     assert cm.can_admit(b, hit, 1) and not cm.can_admit(b, hit, 2)
     cm.admit(b, hit, 1)
     assert cm.pages.pool.num_available == 0 and cm.slots.pool.num_available == 0
+
+
+def test_emptying_after_the_pools_were_rebuilt_spills_nothing_to_the_host_tier():
+    """``clear_prefix_cache(spill=False)`` (the device pools hold zeros after a rebuild) evicts every entry without
+    telling the host tier, which would file zeroed pages under valid hashes; the default spills them."""
+    class Spy:
+        def __init__(self):
+            self.pages, self.checkpoints = [], []
+
+        def page_evicted(self, node_hash, block):
+            self.pages.append(block)
+
+        def checkpoint_evicted(self, node_hash, tail, position, slot, block):
+            self.checkpoints.append(slot)
+
+    for spill in (False, True):
+        cm = manager()
+        spy = cm.prefix.evictions = Spy()
+        a = req("a", list(range(600, 611)))
+        prefill(cm, a)
+        cm.free_request(a, retain_state=True)
+        assert cm.prefix.checkpoints and cm.pages.pool.num_free < cm.pages.pool.num_usable
+        cm.clear_prefix_cache(spill=spill)
+        assert not cm.prefix.checkpoints and cm.pages.pool.num_free == cm.pages.pool.num_usable
+        assert bool(spy.pages) == bool(spy.checkpoints) == spill and cm.prefix.evictions is spy

@@ -19,6 +19,7 @@ import textwrap
 import threading
 import time
 
+import jax
 import pytest
 
 from serve.bench.hit_rates import run_to_completion
@@ -35,17 +36,20 @@ NAMES = ["a", "d", "f", "g", "j"]
 
 
 class Gate:
-    """Holds every background compile until ``open()``; a compile of a key in ``fail`` raises instead."""
+    """Holds every background compile until ``open()``, those of keys in ``late`` until ``open_late()`` too; a
+    compile of a key in ``fail`` raises instead."""
 
     def __init__(self, monkeypatch):
-        self.event = threading.Event()
-        self.fail = ()
+        self.event, self.late_event = threading.Event(), threading.Event()
+        self.fail, self.late = (), ()
         gate = self
 
         class Held(BackgroundCompiler):
             def __init__(self, items, build, threads, wrap=lambda fn: fn):
                 def held(key, lowered):
                     gate.event.wait()
+                    if key in gate.late:
+                        gate.late_event.wait()
                     if key in gate.fail:
                         raise RuntimeError("injected compile failure")
                     return build(key, lowered)
@@ -56,6 +60,9 @@ class Gate:
     def open(self) -> None:
         self.event.set()
 
+    def open_late(self) -> None:
+        self.late_event.set()
+
 
 @pytest.fixture
 def gate(monkeypatch):
@@ -63,6 +70,7 @@ def gate(monkeypatch):
     held = Gate(monkeypatch)
     yield held
     held.open()
+    held.open_late()
 
 
 def run(engine: LLMEngine, names, params=None) -> dict[str, list[int]]:
@@ -212,29 +220,41 @@ def test_steps_keep_to_their_drafting_class(monkeypatch, gate, reference):
 
 def test_an_idle_engine_takes_finished_executables_into_use_and_runs_them_once(monkeypatch, gate, reference):
     """``LLMEngine.idle`` (the server's engine loop calls it when no request is left) installs what the background
-    finished and runs each once on its all-padding batch, as warm-up does, so a request's first step in a new
-    bucket loads no kernels; one that cannot run is dropped with a warning and its steps take a larger bucket."""
+    finished and runs a few of them once per call on their all-padding batches, as warm-up does, so a request's
+    first step in a new bucket loads no kernels. One that cannot run is dropped with a warning and its steps take a
+    larger bucket, also after the last bucket arrives later (it must not be counted back in)."""
+    last = (64, 2, 16, False, False)
+    gate.late = (last,)
     runner = ModelRunner(shared_lm(), CONFIG)
     engine = LLMEngine(runner, config=EngineConfig(block_size=BLOCK))
     gate.open()
     deadline = time.monotonic() + 600
-    while runner.num_compiling_executables and time.monotonic() < deadline:
+    while runner.num_compiling_executables > 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert runner.num_compiling_executables == 0 and runner.num_pending_executables == 6  # finished, not taken
+    assert runner.num_compiling_executables == 1 and runner.num_pending_executables == 6  # 5 finished, not taken
     broken, ran = (16, 2, 16, False, False), []
     run_once = runner._run_each_step_once
 
     def spy(keys=None):
         ran.extend(keys)
         if keys == [broken]:
-            raise RuntimeError("cannot run")
+            try:
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: injected")
+            except jax.errors.JaxRuntimeError as err:
+                raise RuntimeError("the step cannot run") from err
         run_once(keys)
 
     monkeypatch.setattr(runner, "_run_each_step_once", spy)
     with pytest.warns(RuntimeWarning, match="mixed step T=16 N=2 P=16 compiled in the background but cannot run"):
-        engine.idle()
-    assert len(ran) == 6 and runner.num_pending_executables == 0
-    assert broken not in runner._steps and len(runner._steps) == 7
+        engine.idle()  # 4 of the 5 run
+        engine.idle()  # and the fifth
+    assert len(ran) == 5 and runner.num_pending_executables == 1 and broken not in runner._steps
+    gate.open_late()
+    assert runner.finish_warm_up(timeout_s=600) and len(runner._steps) == 7  # 8 planned, one dropped
     assert run(engine, ["f"]) == {"f": reference["f"]}
     assert (16, 8, 16, False, False) in runner.launch_counts and broken not in runner.launch_counts  # fewest tokens
+    assert not runner._all_in_use  # steps keep looking for a ready bucket
+    assert list(runner._unprimed) == [last]  # taken into use by finish_warm_up, not run yet: the next idle tick runs it
+    engine.idle()
+    assert ran[-1] == last and not runner._unprimed
     assert_pools_free(engine)
