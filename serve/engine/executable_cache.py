@@ -124,5 +124,6 @@ class ExecutableCache:
             path.unlink(missing_ok=True)
 
     def summary(self) -> str:
-        return (f"executable cache {self.folder}: {self.hits} loaded, {self.misses} compiled, {self.stored} stored"
+        return (f"executable cache {self.folder}: {self.hits} loaded, {self.misses} not found (compiled here), "
+                f"{self.stored} stored so far"
                 + (f", {self.unserializable} not serialisable on this backend" if self.unserializable else ""))
