@@ -141,6 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"[kimi-jax] {runner.executable_cache.summary()}", file=sys.stderr, flush=True)
     if runner.compile_seconds:
         print(f"[kimi-jax] {runner.compile_summary()}", file=sys.stderr, flush=True)
+    for replica in getattr(engine, "engines", [engine]):  # a progressive warm-up says when it is done
+        replica.runner.on_warm_up_done = lambda message: print(f"[kimi-jax] {message}", file=sys.stderr, flush=True)
     try:
         if connector is None:
             run_server(args, AsyncEngine(engine, **admission_args(args)))

@@ -455,6 +455,7 @@ class ModelRunner:
         self._installed = 0  # executables a progressive warm-up took into use after it returned
         self._ready_memo: dict = {}  # picked bucket -> the ready bucket it runs in (progressive warm-up)
         self._unprimed: dict = {}  # background executables no step has run yet (an ordered set)
+        self.on_warm_up_done: Callable[[str], None] | None = None  # told when the last background one is taken in
         self.compile_seconds: dict = {}  # executable key -> seconds its compile took (warm-up's, background ones
         # included; not loaded ones)
         self.compiles_at_warm_up: int | None = None  # backend_compile_count() when warm_up finished
@@ -911,8 +912,11 @@ class ModelRunner:
             self._all_in_use = self._installed == total
             self._background = None
             self.all_ready_seconds = time.perf_counter() - self._warm_up_start
-            logger.info("progressive warm-up done: %d of %d background executables in use, %.1f s after it began",
-                        self._installed, total, self.all_ready_seconds)
+            message = (f"progressive warm-up done: {self._installed} of {total} background executables in use, "
+                       f"{self.all_ready_seconds:.1f} s after it began")
+            logger.info(message)
+            if self.on_warm_up_done is not None:
+                self.on_warm_up_done(message)
         return installed
 
     def _drop(self, key) -> None:

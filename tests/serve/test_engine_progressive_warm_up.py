@@ -111,9 +111,12 @@ def test_serves_from_the_largest_buckets_then_takes_the_rest_into_use(gate, refe
     assert_pools_free(engine)
     assert runner.all_ready_seconds is None and engine.stats().executables_pending == 6
 
+    told = []
+    runner.on_warm_up_done = told.append
     gate.open()
     assert runner.finish_warm_up(timeout_s=600)
     assert runner.num_pending_executables == 0 and runner.all_ready_seconds >= runner.warm_up_seconds
+    assert len(told) == 1 and told[0].startswith("progressive warm-up done: 6 of 6 background executables in use")
     assert len(runner._steps) == 8 and runner.num_executables == 8 + 2
     runner.launch_counts.clear()
     late = run(engine, NAMES)
