@@ -141,8 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"[kimi-jax] {runner.executable_cache.summary()}", file=sys.stderr, flush=True)
     if runner.compile_seconds:
         print(f"[kimi-jax] {runner.compile_summary()}", file=sys.stderr, flush=True)
-    for replica in getattr(engine, "engines", [engine]):  # a progressive warm-up says when it is done
-        replica.runner.on_warm_up_done = lambda message: print(f"[kimi-jax] {message}", file=sys.stderr, flush=True)
+    for replica_runner in _runners(engine):  # a progressive warm-up says when it is done
+        replica_runner.on_warm_up_done = lambda message: print(f"[kimi-jax] {message}", file=sys.stderr, flush=True)
     try:
         if connector is None:
             run_server(args, AsyncEngine(engine, **admission_args(args)))
@@ -151,10 +151,15 @@ def _serve(args: argparse.Namespace) -> int:
 
             run_kv_server(args, AsyncEngine(engine, **admission_args(args)), connector, table, kv_config)
     finally:
-        for replica in getattr(engine, "engines", [engine]):  # data parallel: each replica's runner
-            replica.runner.stop_warm_up()
+        for replica_runner in _runners(engine):
+            replica_runner.stop_warm_up()
         runner.stop_followers()
     return 0
+
+
+def _runners(engine) -> list:
+    """The runner of every replica (a data-parallel engine has one per replica)."""
+    return [replica.runner for replica in getattr(engine, "engines", [engine])]
 
 
 def _still_compiling(runner) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-import time
 from typing import Callable, Iterable
 
 
@@ -65,16 +64,13 @@ class BackgroundCompiler:
         """The (key, executable or exception) pairs finished since the last call; with ``timeout_s`` > 0 (None:
         no limit) waits up to that long for the first one while any is pending."""
         out = []
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        wait = timeout_s != 0.0  # only for the first one
         while self.pending:
             try:
-                if out or timeout_s == 0.0:
-                    key, result = self._done.get_nowait()
-                else:
-                    key, result = self._done.get(timeout=None if deadline is None
-                                                 else max(0.0, deadline - time.monotonic()))
+                key, result = self._done.get(timeout=timeout_s) if wait else self._done.get_nowait()
             except queue.Empty:
                 break
+            wait = False
             self.pending.discard(key)
             out.append((key, result))
         return out

@@ -45,7 +45,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 import warnings
@@ -824,9 +823,7 @@ class ModelRunner:
         and the pools are rebuilt (``recover``); returns True then: the caller must empty its prefix cache."""
         if self.multihost:  # (progressive warm-up is off there: followers would have to replay these runs)
             return False
-        background = self._background
-        if background is not None:
-            self._install(background, background.take())
+        self.take_ready_executables()
         lost = False
         for key in list(self._unprimed)[:limit]:
             del self._unprimed[key]
