@@ -16,7 +16,8 @@ from flax import nnx
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers.common import F32, constant, normal, rms_norm
-from kimi_jax.layers.ffn import DenseMLPStack, MoEStack, dense_mlp, moe, serving_byte_order, use_byte_order
+from kimi_jax.layers.ffn import (DenseMLPStack, MoEStack, dense_mlp, moe, router_counts, serving_byte_order,
+                                 use_byte_order)
 from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.mla import MLAStack, mla_layer
 from kimi_jax.step import HybridCache, StepInputs, token_layout
@@ -144,7 +145,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
             dense_fn = dense_mlp if parallel is None else parallel.dense_mlp
             return dense_fn(model.dense_mlp, dense_j[i], h, cfg, impl=impl)
         moe_fn = moe if parallel is None else parallel.moe
-        return moe_fn(model.moe, moe_j[i], h, cfg, impl=impl, stats=router_stats, valid=layout.valid)
+        return moe_fn(model.moe, moe_j[i], h, cfg, impl=impl, stats=router_stats)
 
     if cfg.uses_attnres:
         ar = model.attn_res
@@ -185,7 +186,7 @@ def forward(model: KimiModel, cache: HybridCache, step: StepInputs, *, impl: str
                 tapped[i] = x.astype(F32)
         hidden = h[step.logits_indices]
     if router_stats is not None:
-        aux["router_counts"] = jnp.stack(router_stats)
+        aux["router_counts"] = router_counts(jnp.stack(router_stats), layout.valid, cfg.num_experts)
     if taps:
         aux["taps"] = jnp.stack([tapped[i] for i in taps])
     return hidden, HybridCache(mla=pages, kda_state=state, kda_conv=conv, mla_scales=scales, media=cache.media,

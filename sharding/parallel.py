@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.ffn import MoEStack, glu_mlp, router_counts, routed_experts
+from kimi_jax.layers.ffn import MoEStack, glu_mlp, routed_experts
 from kimi_jax.layers.ffn import dense_mlp as dense_mlp_layer
 from kimi_jax.layers.kda import KDAStack, kda_layer
 from kimi_jax.layers.common import rms_norm, stacked_linear
@@ -180,16 +180,15 @@ class Parallel:
         return self._map(body, in_specs=(specs, P()), out_specs=P())(leaves, x)
 
     def moe(self, p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None,
-            stats: list | None = None, valid: jax.Array | None = None):
+            stats: list | None = None):
         if cfg.num_experts % self.ep:
             raise ValueError(f"{cfg.num_experts} experts cannot be split over {self.ep} expert-parallel ranks")
         graphdef, treedef, leaves, specs = self._split("moe", p)
-        valid = jnp.ones(x.shape[0], bool) if valid is None else valid
         tp, ep = self.tp, self.ep
         # an expert's FFN width is split over TP unless the experts are split over the whole replica
         width_axes = TP if (tp > 1 and not self.shape.expert_parallel) else ()
 
-        def body(leaves, x, valid):
+        def body(leaves, x):
             local = self._merge(graphdef, treedef, leaves)
             route = dict(k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
                          scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group,
@@ -202,7 +201,6 @@ class Parallel:
             else:
                 weights, idx = router_ops.route(x, local.router[...], local.router_bias[...], layer=j, impl=impl,
                                                 **route)
-            counts = router_counts(idx, valid, cfg.num_experts)
             z = x
             if cfg.latent_dim is not None:
                 z = stacked_linear(x, local.latent_down, j, impl=impl)
@@ -225,11 +223,11 @@ class Parallel:
             if cfg.num_shared_experts:
                 shared = glu_mlp(x, local.shared_gate, local.shared_up, local.shared_down, j, cfg, impl)
                 y = y + self._tp_sum(shared, y.dtype)
-            return y, counts
+            return y, idx
 
-        y, counts = self._map(body, in_specs=(specs, P(), P()), out_specs=(P(), P()))(leaves, x, valid)
+        y, idx = self._map(body, in_specs=(specs, P()), out_specs=(P(), P()))(leaves, x)
         if stats is not None:
-            stats.append(counts)
+            stats.append(idx)
         return y
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.layers import ffn
-from kimi_jax.layers.ffn import MoEStack, moe
+from kimi_jax.layers.ffn import MoEStack, moe, router_counts
 
 BASE = dict(vocab_size=64, hidden_size=64, num_layers=2, layer_types=("kda", "kda"), mlp_types=("dense", "moe"),
             num_experts=16, num_experts_per_token=4, moe_intermediate_size=32, num_shared_experts=1,
@@ -32,6 +32,23 @@ def test_moe_pallas_equals_reference(variant, tokens, row_pairs, rng, monkeypatc
     got = np.asarray(moe(stack, 0, x, cfg, impl="pallas"), np.float32)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.parametrize("layers,tokens", [(1, 1), (3, 13), (26, 2)])
+def test_router_counts_per_layer_from_one_scatter(layers, tokens, rng):
+    """Every layer's (token, choice) pairs per expert, counted over the valid rows only, equal a per-layer numpy
+    count: repeated experts within a row and across rows add up, masked rows add nothing, and no count leaks into
+    a neighbouring layer's row (the flat scatter offsets each layer by E)."""
+    num_experts, k = 16, 4
+    idx = np.stack([np.stack([rng.choice(num_experts, k, replace=False) for _ in range(tokens)])
+                    for _ in range(layers)]).astype(np.int32)
+    idx[:, 0, :2] = num_experts - 1  # the last expert twice in a row: the highest flat index of each layer
+    valid = rng.random(tokens) < 0.7
+    valid[0] = True
+    got = np.asarray(router_counts(jnp.asarray(idx), jnp.asarray(valid), num_experts))
+    want = np.stack([np.bincount(idx[l][valid].reshape(-1), minlength=num_experts) for l in range(layers)])
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert np.array_equal(got.sum(axis=1), np.full(layers, int(valid.sum()) * k))
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

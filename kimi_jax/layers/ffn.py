@@ -333,17 +333,22 @@ def glu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, j: in
 
 
 def router_counts(idx: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
-    """Per-expert routed (token, choice) pairs of the rows where ``valid [T]`` holds: idx [T, k] -> int32 [E]."""
-    weights = jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32).reshape(-1)
-    return jnp.zeros(num_experts, jnp.int32).at[idx.reshape(-1)].add(weights)
+    """Per-expert routed (token, choice) pairs of the rows where ``valid [T]`` holds, per MoE layer: the layers'
+    choices idx [L, T, k] -> int32 [L, E]. One scatter for all layers: a scatter per layer was a kernel of its own in
+    every decode step (26 on Kimi-Linear-48B, 12 us each under the profiler at batch 1; BENCHMARKS.md, engine)."""
+    layers = idx.shape[0]
+    first = (num_experts * jnp.arange(layers, dtype=jnp.int32))[:, None, None]
+    weights = jnp.broadcast_to(valid[None, :, None], idx.shape).astype(jnp.int32).reshape(-1)
+    flat = (idx.astype(jnp.int32) + first).reshape(-1)
+    return jnp.zeros(layers * num_experts, jnp.int32).at[flat].add(weights).reshape(layers, num_experts)
 
 
 def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None = None,
-        stats: list | None = None, valid: jax.Array | None = None) -> jax.Array:
+        stats: list | None = None) -> jax.Array:
     """MoE layer ``j``: x [T, D] (normalised FFN input) -> [T, D].
 
-    ``stats``: a list that gets this layer's router load appended (:func:`router_counts` of the rows where
-    ``valid [T]`` holds, int32 [E]).
+    ``stats``: a list that gets this layer's expert choices appended (idx int32 [T, k]; the caller counts every
+    layer's at once with :func:`router_counts`).
 
     The routed and shared outputs are summed here, by XLA in one kernel, even at decode: handing their 8 + 4
     rows to the add + RMSNorm kernel as a :class:`PartialSum` made that single-program kernel slower than XLA's
@@ -353,7 +358,7 @@ def moe(p: MoEStack, j: int, x: jax.Array, cfg: ModelConfig, *, impl: str | None
         scaling=cfg.routed_scaling_factor, num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,
         layer=j, impl=impl)
     if stats is not None:
-        stats.append(router_counts(idx, jnp.ones(x.shape[0], bool) if valid is None else valid, cfg.num_experts))
+        stats.append(idx)
     z = stacked_linear(x, p.latent_down, j, impl=impl) if cfg.latent_dim is not None else x
     fused = _fuses_shared_expert(p, x, cfg, impl)
     y = routed_experts(p, j, z, weights, idx, cfg, impl=impl, with_shared=fused)
