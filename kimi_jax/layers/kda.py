@@ -146,6 +146,7 @@ def _low_rank_projections(p: KDAStack, j: int, x: jax.Array, full_rank: bool, im
         products = [stacked_linears_of_parts(parts, (c,), (up,), j, impl=impl)[0] for c, up in zip(starts, ups)]
     narrow_width = sum(a.shape[-1] for a in narrow[:len(ups)])
     beta_logits = jnp.sum(parts[..., narrow_width:], axis=1).astype(x.dtype)
+    products = [y.astype(x.dtype) for y in products]  # the weights' dtype: the same as x's in serving
     return products[0], beta_logits, None if full_rank else products[1]
 
 

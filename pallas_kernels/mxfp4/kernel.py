@@ -178,8 +178,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
 
     def load_x(first_col, width):
         """x's ``[block_m, width]`` tile from column ``first_col``; with ``x_starts``, the sum of x's split-K
-        parts (``x_ref [M, P, W]`` fp32; a static unroll over P, every load in flight at once) in the weights'
-        dtype."""
+        parts (``x_ref [M, P, W]``; a static unroll over P, every load in flight at once) in the weights' dtype."""
         cols = pl.ds(pl.multiple_of(first_col, width), width)
         if not x_starts:
             return pltriton.load(x_ref.at[x_rows, cols], mask=x_mask[:, None], other=0.0)
@@ -291,27 +290,32 @@ MIN_BLOCK_K = {"mxfp4": MX_BLOCK, "mxfp4_pairs": 2 * MX_BLOCK, "mxfp4_pairs_jnp"
 """The smallest ``block_k`` per weight format (whole MX blocks, pairs of them, scale words); bf16: 16."""
 
 
-def smem_bytes(cfg: GroupedGemmConfig, weight_format: str, x_dtype, w_dtype) -> int:
+def smem_bytes(cfg: GroupedGemmConfig, weight_format: str, x_dtype, w_dtype, x_parts: int = 1,
+               parts_dtype=None) -> int:
     """Shared memory of the grouped GEMM (:mod:`pallas_kernels.tuning`'s estimate): per K step the ``[block_m,
-    block_k]`` rows of x and the weight tile (``[block_k, block_n]`` bf16, or ``block_n`` rows of ``block_k / 2``
-    packed bytes and ``block_k / 32`` scale bytes), ``num_stages`` deep; the weights decoded (or cast) in registers
-    to x's dtype, ``[block_n, block_k]``, staged into the dot."""
+    block_k]`` rows of x (``x_parts`` of them in ``parts_dtype`` when x comes as split-K parts) and the weight tile
+    (``[block_k, block_n]`` bf16, or ``block_n`` rows of ``block_k / 2`` packed bytes and ``block_k / 32`` scale
+    bytes), ``num_stages`` deep; the weights decoded (or cast) in registers to x's dtype, ``[block_n, block_k]``,
+    staged into the dot."""
     if weight_format.startswith("bf16"):
         weights = tuning.nbytes(w_dtype, cfg.block_k, cfg.block_n)
         staged = 0 if jnp.dtype(w_dtype) == jnp.dtype(x_dtype) else tuning.nbytes(x_dtype, cfg.block_n, cfg.block_k)
     else:
         weights = cfg.block_n * (cfg.block_k // 2 + cfg.block_k // MX_BLOCK)
         staged = tuning.nbytes(x_dtype, cfg.block_n, cfg.block_k)
-    return cfg.num_stages * (tuning.nbytes(x_dtype, cfg.block_m, cfg.block_k) + weights) + staged
+    x_tile = x_parts * tuning.nbytes(parts_dtype or x_dtype, cfg.block_m, cfg.block_k)
+    return cfg.num_stages * (x_tile + weights) + staged
 
 
-def fit_config(config: GroupedGemmConfig | None, weight_format: str, x_dtype, w_dtype) -> GroupedGemmConfig:
+def fit_config(config: GroupedGemmConfig | None, weight_format: str, x_dtype, w_dtype, x_parts: int = 1,
+               parts_dtype=None) -> GroupedGemmConfig:
     """The resolved config shrunk to the device's shared memory: fewer stages, then smaller ``block_k`` (down to
     the format's :data:`MIN_BLOCK_K`), ``block_n`` and ``block_m`` (down to 16)."""
     cfg = tuning.resolve(GroupedGemmConfig, config)
     blocks = [("block_k", MIN_BLOCK_K.get(weight_format, 16)), ("block_n", 16), ("block_m", 16)]
-    return tuning.fit(f"grouped_gemm_{weight_format}", cfg, lambda c: smem_bytes(c, weight_format, x_dtype, w_dtype),
-                      tuning.smaller(cfg, "num_stages", blocks), what=f"{jnp.dtype(x_dtype).name} x")
+    estimate = lambda c: smem_bytes(c, weight_format, x_dtype, w_dtype, x_parts, parts_dtype)  # noqa: E731
+    return tuning.fit(f"grouped_gemm_{weight_format}", cfg, estimate, tuning.smaller(cfg, "num_stages", blocks),
+                      what=f"{jnp.dtype(x_dtype).name} x")
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "config", "narrow_scales"))
@@ -367,8 +371,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     and width (leading size: layers); rows whose expert is ``SHARED_EXPERT`` use their row ``shared_offset``.
     The shared expert then runs as one more row of the routed launch instead of launches of its own.
 
-    ``x_starts`` (bf16 weights only): x is ``[M, P, W]`` fp32 split-K parts (another launch's ``sum_splits=False``
-    output) whose sum is the input, and matrix i reads the summed columns ``[x_starts[i], + K)`` in the weights'
+    ``x_starts`` (bf16 weights only): x is ``[M, P, W]`` split-K parts (another launch's ``sum_splits=False``
+    output: fp32, or that launch's dtype when it had one part) whose sum is the input, and matrix i reads the summed columns ``[x_starts[i], + K)`` in the weights'
     dtype, the result too. Each start a multiple of ``block_k``. A decode step's low-rank up-projections then read
     the narrow projections' parts in place: no XLA kernel sums and splits them first."""
     if x_starts:
@@ -389,7 +393,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     num_experts = matrices[0][0].shape[0] if per_row else group_sizes.shape[0]
     widths = [_output_width(w, weight_format) for w in matrices]
     dim_n = sum(widths)
-    cfg = fit_config(config, weight_format, compute_dtype, matrices[0][0].dtype)
+    cfg = fit_config(config, weight_format, compute_dtype, matrices[0][0].dtype,
+                     *((x.shape[1], x.dtype) if x_starts else ()))
     block_m, block_n, block_k, split_k, weights_lhs = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, \
         cfg.weights_lhs
     if any(n % block_n for n in widths) or dim_k % block_k:

@@ -210,14 +210,14 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     N_i, K]`` with ``transpose_rhs``), one per entry of ``ws``; rows whose expert is ``SHARED_EXPERT`` (-1) use
     layer ``layer`` of them, in the same launch as the routed rows.
 
-    ``x_columns`` (one per matrix): x is ``[M, P, W]`` float32 split-K parts (as ``sum_splits=False`` returns them)
-    whose sum is the input; matrix i reads the summed columns ``[x_columns[i], + K)`` in the weights' dtype, and
-    the result has that dtype. A consumer of another launch's narrow products reads them in place this way, with
-    no XLA kernel to sum and split them first."""
+    ``x_columns`` (one per matrix; not with ``shared`` or ``sum_splits=False``): x is ``[M, P, W]`` split-K parts
+    (as ``sum_splits=False`` returns them) whose sum is the input; matrix i reads the summed columns
+    ``[x_columns[i], + K)`` in the weights' dtype, and the result has that dtype. A consumer of another launch's
+    narrow products reads them in place this way, with no XLA kernel to sum and split them first."""
     if x_columns:
-        if len(x_columns) != len(ws) or x.ndim != 3:
-            raise ValueError(f"x_columns needs x [M, P, W] and one column per matrix; got {len(x_columns)} for "
-                             f"{len(ws)} matrices, x {x.shape}")
+        if len(x_columns) != len(ws) or x.ndim != 3 or shared or not sum_splits:
+            raise ValueError(f"x_columns needs x [M, P, W], one column per matrix, no shared matrices and summed "
+                             f"splits; got {len(x_columns)} for {len(ws)} matrices, x {x.shape}")
         if resolve_impl(impl) == "reference":
             summed = jnp.sum(x, axis=1).astype(ws[0].dtype)
             dim_k = ws[0].shape[-1] if transpose_rhs else ws[0].shape[-2]

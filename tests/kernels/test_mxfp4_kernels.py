@@ -332,6 +332,20 @@ def test_input_windows_must_fit_the_tiles():
     _, packed, scales, _ = random_problem(3, [2], 2)
     with pytest.raises(ValueError, match="x_starts"):
         grouped_gemm_concat_pallas(x, ((packed, scales),), gs, weight_format="mxfp4", x_starts=(0,), **tiles())
+    for impl in ("pallas", "reference"):
+        with pytest.raises(ValueError, match="x_columns"):
+            grouped_matmul_concat(x, [w[0][None]], gs, impl=impl, x_columns=(0,), sum_splits=False)
+
+
+def test_split_k_parts_count_in_the_shared_memory_estimate():
+    """Every part of x is a tile of its own in the estimate (18 fp32 parts at the decode tiling: 147 KB per stage
+    instead of 4 KB), so the tiling shrinks to what the device holds instead of failing to compile."""
+    from pallas_kernels.mxfp4.kernel import smem_bytes
+
+    cfg = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, weights_lhs=True, num_stages=4)
+    plain = smem_bytes(cfg, "bf16", jnp.bfloat16, jnp.bfloat16)
+    parts = smem_bytes(cfg, "bf16", jnp.bfloat16, jnp.bfloat16, 18, jnp.float32)
+    assert parts - plain == 4 * (18 * 16 * 128 * 4 - 16 * 128 * 2)
 
 
 @pytest.mark.parametrize("weight_format,split_k", [("mxfp4", 1), ("bf16", 2)])
