@@ -34,8 +34,8 @@ def stacked_linear(x: jax.Array, stack: jax.Array, j: int, *, impl: str | None =
     return stacked_linears(x, (stack,), j, impl=impl)[0]
 
 
-def skinny_products(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, impl: str | None, *,
-                    sum_splits: bool = True) -> jax.Array | None:
+def _skinny_products(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, impl: str | None, *,
+                     sum_splits: bool = True) -> jax.Array | None:
     """One grouped-GEMM launch of ``x`` against layer ``j`` of every stack on the skinny path (see
     :func:`stacked_linear`): ``[T, sum out_i]`` (``[T, P, sum out_i]`` split-K parts unless ``sum_splits``);
     None off that path."""
@@ -54,23 +54,10 @@ def stacked_linears(x: jax.Array, stacks: tuple[jax.Array, ...], j: int, *,
 
     On the skinny path (see :func:`stacked_linear`) the products come from one kernel launch (widths that
     share a power-of-two tile); elsewhere they are separate GEMMs."""
-    both = skinny_products(x, stacks, j, impl)
+    both = _skinny_products(x, stacks, j, impl)
     if both is not None:
         return split_columns(both.astype(x.dtype), [s.shape[-1] for s in stacks])
     return [linear(x, s[j]) for s in stacks]
-
-
-def stacked_linears_of_parts(parts: jax.Array, columns: tuple[int, ...], stacks: tuple[jax.Array, ...], j: int, *,
-                            impl: str | None = None) -> list[jax.Array]:
-    """``[linear(x[:, c:c + in], s[j]) for c, s in zip(columns, stacks)]`` where ``x = parts.sum(1)`` in the
-    weights' dtype: ``parts [T, P, W]`` are the split-K parts of a skinny launch (:func:`skinny_products` with
-    ``sum_splits=False``), read in place by one grouped-GEMM launch, with no XLA kernel to sum and split them
-    first. The weights share one input width, and each column a multiple of it."""
-    from pallas_kernels.mxfp4 import grouped_matmul_concat
-
-    rows = jnp.full((1,), parts.shape[0], jnp.int32)
-    both = grouped_matmul_concat(parts, [s[:, None] for s in stacks], rows, layer=j, impl=impl, x_columns=columns)
-    return split_columns(both, [s.shape[-1] for s in stacks])
 
 
 def stacked_linear_unsummed(x: jax.Array, stack: jax.Array, j: int, *,
@@ -78,7 +65,7 @@ def stacked_linear_unsummed(x: jax.Array, stack: jax.Array, j: int, *,
     """:func:`stacked_linear` for a layer's last projection: on the skinny path its split-K partial products
     are left for the residual add + RMSNorm kernel to add (a :class:`PartialSum`, saving XLA's reduction in
     front of it); elsewhere the array."""
-    parts = skinny_products(x, (stack,), j, impl, sum_splits=False)
+    parts = _skinny_products(x, (stack,), j, impl, sum_splits=False)
     return linear(x, stack[j]) if parts is None else PartialSum.of((parts, None))
 
 

@@ -15,17 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.layers.common import (F32, constant, fan_in_normal, normal, skinny_products, stacked_linear,
-                                    stacked_linear_unsummed, stacked_linears, stacked_linears_of_parts)
+from kimi_jax.layers.common import (F32, constant, fan_in_normal, normal, stacked_linear, stacked_linear_unsummed,
+                                    stacked_linears)
 from kimi_jax.step import StepInputs, TokenLayout
 from pallas_kernels import kda as kda_ops
 from pallas_kernels.impl import resolve_impl
 from pallas_kernels.rmsnorm import PartialSum
-
-NARROW_FROM_PARTS = False
-"""Decode-sized steps: f_b and g_b read the narrow projections' split-K parts in one launch
-(:func:`_low_rank_projections`), instead of an XLA kernel summing and splitting them and one launch each. Off
-until measured on a GPU (``python -m serve.bench.decode --kda-narrow-parts``; BENCHMARKS.md, engine)."""
 
 
 class KDAStack(nnx.Module):
@@ -125,31 +120,6 @@ def kda_layer(p: KDAStack, j: int, x: jax.Array, state: jax.Array, conv: jax.Arr
     return out, state_pool.reshape(state.shape), conv_pool.reshape(conv.shape)
 
 
-def _low_rank_projections(p: KDAStack, j: int, x: jax.Array, full_rank: bool, impl):
-    """(the gate's raw logits ``f_b(f_a x)`` [T, HV*K], beta's logits [T, HV], the output gate's logits ``g_b(g_a
-    x)`` [T, HV*V] or None with a full-rank gate), in x's dtype. The narrow projections (f_a, g_a, b_proj) share
-    one launch. With :data:`NARROW_FROM_PARTS` on the skinny path, f_b and g_b then read its split-K parts in
-    place (one launch for both when K = V), and only beta's columns are summed by XLA."""
-    narrow = (p.f_a,) + (() if full_rank else (p.g_a,)) + (p.b_proj,)
-    ups = (p.f_b,) + (() if full_rank else (p.g_b,))
-    starts = [0, p.f_a.shape[-1]][:len(ups)]  # each up-projection's input columns in the narrow products
-    parts = None
-    if NARROW_FROM_PARTS and all(c % up.shape[1] == 0 for c, up in zip(starts, ups)):
-        parts = skinny_products(x, narrow, j, impl, sum_splits=False)
-    if parts is None:
-        f_low, *g_low, beta_logits = stacked_linears(x, narrow, j, impl=impl)
-        return (stacked_linear(f_low, p.f_b, j, impl=impl), beta_logits,
-                None if full_rank else stacked_linear(g_low[0], p.g_b, j, impl=impl))
-    if len({up.shape[1] for up in ups}) == 1:  # one input width: both in one launch
-        products = stacked_linears_of_parts(parts, tuple(starts), ups, j, impl=impl)
-    else:
-        products = [stacked_linears_of_parts(parts, (c,), (up,), j, impl=impl)[0] for c, up in zip(starts, ups)]
-    narrow_width = sum(a.shape[-1] for a in narrow[:len(ups)])
-    beta_logits = jnp.sum(parts[..., narrow_width:], axis=1).astype(x.dtype)
-    products = [y.astype(x.dtype) for y in products]  # the weights' dtype: the same as x's in serving
-    return products[0], beta_logits, None if full_rank else products[1]
-
-
 def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkpoint_slots, step: StepInputs,
                     layout: TokenLayout, cfg: ModelConfig, impl):
     """:func:`kda_layer` on flat pools ``[L*S, ...]`` with absolute slot ids ``slots [N]``,
@@ -161,10 +131,11 @@ def _kda_layer_flat(p: KDAStack, j: int, x, state_pool, conv_pool, slots, checkp
     # two launches on the skinny path: the wide projections of x, then the narrow ones (their own tile width)
     q_lin, k_lin, v_lin, *g_full = stacked_linears(
         x, (p.q_proj, p.k_proj, p.v_proj) + ((p.g_proj,) if full_rank else ()), j, impl=impl)
-    g_raw, beta_logits, g_low_rank = _low_rank_projections(p, j, x, full_rank, impl)
+    f_low, beta_logits, *g_low = stacked_linears(x, (p.f_a, p.b_proj) + (() if full_rank else (p.g_a,)), j,
+                                                 impl=impl)
     qkv = jnp.concatenate([q_lin, k_lin, v_lin], axis=-1)
-    g_raw = g_raw.reshape(t_rows, hv, k)  # x.dtype; the ops compute the gate in fp32
-    gate = g_full[0] if full_rank else g_low_rank
+    g_raw = proj(f_low, p.f_b).reshape(t_rows, hv, k)  # x.dtype; the ops compute the gate in fp32
+    gate = g_full[0] if full_rank else proj(g_low[0], p.g_b)
     if step.decode_only:  # the decode kernel casts in its loads: no separate convert kernel per layer
         return _decode(p, j, x, qkv, g_raw, beta_logits, gate, state_pool, conv_pool, slots, step, cfg, impl)
     if step.verify_len:

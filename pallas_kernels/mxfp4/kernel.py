@@ -37,7 +37,6 @@ folds the decode's bias into the scale. It needs x as the MMA's A operand.
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +155,7 @@ def _decode_mxfp4_tile(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, block_n, block_k, weight_format,
-                    weights_lhs, split_k, part_tiles, x_repeat, pairs_decode, shared, narrow_scales, dim_k, x_starts):
+                    weights_lhs, split_k, part_tiles, x_repeat, pairs_decode, shared, narrow_scales):
     *w_refs, o_ref = refs
     shared_refs = w_refs[len(w_refs) // 2:] if shared else ()  # the shared expert's matrices, after the routed
     w_refs = w_refs[:len(w_refs) // 2] if shared else w_refs
@@ -174,17 +173,7 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
     row_mask = (first_row + jnp.arange(block_m)) < end_row
     if not x_repeat:
         x_rows, x_mask = rows, row_mask
-    num_k = dim_k // block_k // split_k  # K steps of this program, from ``split * num_k``
-
-    def load_x(first_col, width):
-        """x's ``[block_m, width]`` tile from column ``first_col``; with ``x_starts``, the sum of x's split-K
-        parts (``x_ref [M, P, W]``; a static unroll over P, every load in flight at once) in the weights' dtype."""
-        cols = pl.ds(pl.multiple_of(first_col, width), width)
-        if not x_starts:
-            return pltriton.load(x_ref.at[x_rows, cols], mask=x_mask[:, None], other=0.0)
-        parts = [pltriton.load(x_ref.at[x_rows, pl.ds(part, 1), cols], mask=x_mask[:, None, None], other=0.0)
-                 for part in range(x_ref.shape[1])]
-        return functools.reduce(operator.add, parts).reshape(block_m, width).astype(w_refs[0].dtype)
+    num_k = x_ref.shape[1] // block_k // split_k  # K steps of this program, from ``split * num_k``
 
     def weight_tile(part_refs, expert, cols, k):  # bf16 [block_n, block_k] of weight row ``expert``
         k_cols = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
@@ -199,9 +188,9 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                                   block_k // MX_BLOCK)]
         return _decode_mxfp4_tile(packed, scales)
 
-    def tile_product(part_refs, first_tile, x_start, expert):
+    def tile_product(part_refs, first_tile, expert):
         """This program's output tile from one weight matrix (its row ``expert``), whose column tiles start at
-        ``first_tile`` and whose K columns of x start at ``x_start``."""
+        ``first_tile``."""
         cols = pl.ds(pl.multiple_of((j - first_tile) * block_n, block_n), block_n)
 
         def pair_products(k, acc):
@@ -222,14 +211,16 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
                     weights = _decode_nibbles(packed, scales, pairs_decode)
                 for half, w in enumerate(weights):
                     block = first_block + half
-                    x = load_x(block * MX_BLOCK, MX_BLOCK)
+                    x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(block * MX_BLOCK, MX_BLOCK), MX_BLOCK)],
+                                      mask=x_mask[:, None], other=0.0)
                     acc = acc + _weight_product(w, x, weights_lhs)
             return acc
 
         def body(k, acc):
             if weight_format in PAIRS_FORMATS:
                 return pair_products(k, acc)
-            x = load_x(x_start + k * block_k, block_k)
+            x = pltriton.load(x_ref.at[x_rows, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)],
+                              mask=x_mask[:, None], other=0.0)
             return acc + _weight_product(weight_tile(part_refs, expert, cols, k), x, weights_lhs)
 
         acc_shape = (block_n, block_m) if weights_lhs else (block_m, block_n)
@@ -241,13 +232,11 @@ def _grouped_kernel(sched_ref, offset_ref, x_ref, *refs, num_experts, block_m, b
     for part, tiles in enumerate(part_tiles):  # static: one code path per weight matrix
         part_refs = w_refs[part * per_part:(part + 1) * per_part]
         in_part = (j >= first_tile) & (j < first_tile + tiles)
-        x_start = x_starts[part] if x_starts else 0
         pl.when((group >= 0) & (group < num_experts) & in_part)(
-            functools.partial(tile_product, part_refs, first_tile, x_start, group + offset_ref[0]))
+            functools.partial(tile_product, part_refs, first_tile, group + offset_ref[0]))
         if shared:  # rows naming SHARED_EXPERT use the shared expert's matrices, at row offset_ref[1]
             pl.when((group == SHARED_EXPERT) & in_part)(functools.partial(
-                tile_product, shared_refs[part * per_part:(part + 1) * per_part], first_tile, x_start,
-                offset_ref[1]))
+                tile_product, shared_refs[part * per_part:(part + 1) * per_part], first_tile, offset_ref[1]))
         first_tile += tiles
 
     @pl.when(group == num_experts)  # rows past sum(group_sizes)
@@ -290,32 +279,27 @@ MIN_BLOCK_K = {"mxfp4": MX_BLOCK, "mxfp4_pairs": 2 * MX_BLOCK, "mxfp4_pairs_jnp"
 """The smallest ``block_k`` per weight format (whole MX blocks, pairs of them, scale words); bf16: 16."""
 
 
-def smem_bytes(cfg: GroupedGemmConfig, weight_format: str, x_dtype, w_dtype, x_parts: int = 1,
-               parts_dtype=None) -> int:
+def smem_bytes(cfg: GroupedGemmConfig, weight_format: str, x_dtype, w_dtype) -> int:
     """Shared memory of the grouped GEMM (:mod:`pallas_kernels.tuning`'s estimate): per K step the ``[block_m,
-    block_k]`` rows of x (``x_parts`` of them in ``parts_dtype`` when x comes as split-K parts) and the weight tile
-    (``[block_k, block_n]`` bf16, or ``block_n`` rows of ``block_k / 2`` packed bytes and ``block_k / 32`` scale
-    bytes), ``num_stages`` deep; the weights decoded (or cast) in registers to x's dtype, ``[block_n, block_k]``,
-    staged into the dot."""
+    block_k]`` rows of x and the weight tile (``[block_k, block_n]`` bf16, or ``block_n`` rows of ``block_k / 2``
+    packed bytes and ``block_k / 32`` scale bytes), ``num_stages`` deep; the weights decoded (or cast) in registers
+    to x's dtype, ``[block_n, block_k]``, staged into the dot."""
     if weight_format.startswith("bf16"):
         weights = tuning.nbytes(w_dtype, cfg.block_k, cfg.block_n)
         staged = 0 if jnp.dtype(w_dtype) == jnp.dtype(x_dtype) else tuning.nbytes(x_dtype, cfg.block_n, cfg.block_k)
     else:
         weights = cfg.block_n * (cfg.block_k // 2 + cfg.block_k // MX_BLOCK)
         staged = tuning.nbytes(x_dtype, cfg.block_n, cfg.block_k)
-    x_tile = x_parts * tuning.nbytes(parts_dtype or x_dtype, cfg.block_m, cfg.block_k)
-    return cfg.num_stages * (x_tile + weights) + staged
+    return cfg.num_stages * (tuning.nbytes(x_dtype, cfg.block_m, cfg.block_k) + weights) + staged
 
 
-def fit_config(config: GroupedGemmConfig | None, weight_format: str, x_dtype, w_dtype, x_parts: int = 1,
-               parts_dtype=None) -> GroupedGemmConfig:
+def fit_config(config: GroupedGemmConfig | None, weight_format: str, x_dtype, w_dtype) -> GroupedGemmConfig:
     """The resolved config shrunk to the device's shared memory: fewer stages, then smaller ``block_k`` (down to
     the format's :data:`MIN_BLOCK_K`), ``block_n`` and ``block_m`` (down to 16)."""
     cfg = tuning.resolve(GroupedGemmConfig, config)
     blocks = [("block_k", MIN_BLOCK_K.get(weight_format, 16)), ("block_n", 16), ("block_m", 16)]
-    estimate = lambda c: smem_bytes(c, weight_format, x_dtype, w_dtype, x_parts, parts_dtype)  # noqa: E731
-    return tuning.fit(f"grouped_gemm_{weight_format}", cfg, estimate, tuning.smaller(cfg, "num_stages", blocks),
-                      what=f"{jnp.dtype(x_dtype).name} x")
+    return tuning.fit(f"grouped_gemm_{weight_format}", cfg, lambda c: smem_bytes(c, weight_format, x_dtype, w_dtype),
+                      tuning.smaller(cfg, "num_stages", blocks), what=f"{jnp.dtype(x_dtype).name} x")
 
 
 @functools.partial(jax.jit, static_argnames=("weight_format", "config", "narrow_scales"))
@@ -345,14 +329,12 @@ def grouped_gemm_pallas(x: jax.Array, weights: tuple[jax.Array, ...], group_size
                                       config=config, narrow_scales=narrow_scales)
 
 
-@functools.partial(jax.jit, static_argnames=("weight_format", "config", "per_row", "sum_splits", "narrow_scales",
-                                             "x_starts"))
+@functools.partial(jax.jit, static_argnames=("weight_format", "config", "per_row", "sum_splits", "narrow_scales"))
 def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ...], ...], group_sizes: jax.Array,
                                expert_offset: jax.Array | int = 0, *, weight_format: str,
                                config: GroupedGemmConfig | None = None, per_row: bool = False,
                                sum_splits: bool = True, shared: tuple[tuple[jax.Array, ...], ...] = (),
-                               shared_offset: jax.Array | int = 0, narrow_scales: bool = False,
-                               x_starts: tuple[int, ...] = ()) -> jax.Array:
+                               shared_offset: jax.Array | int = 0, narrow_scales: bool = False) -> jax.Array:
     """:func:`grouped_gemm_pallas` against several weight matrices at once (each a ``weights`` tuple of the same
     format, leading size and K, widths ``N_i`` multiples of ``block_n``): ``[M, sum N_i]``, the products side by
     side in order. One launch instead of one per matrix, e.g. the q / k / v projections of a decode step.
@@ -369,20 +351,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
 
     ``shared`` (per-row only): the shared expert's matrices, one per entry of ``matrices`` with the same format
     and width (leading size: layers); rows whose expert is ``SHARED_EXPERT`` use their row ``shared_offset``.
-    The shared expert then runs as one more row of the routed launch instead of launches of its own.
-
-    ``x_starts`` (bf16 weights only): x is ``[M, P, W]`` split-K parts (another launch's ``sum_splits=False``
-    output: fp32, or that launch's dtype when it had one part) whose sum is the input, and matrix i reads the summed columns ``[x_starts[i], + K)`` in the weights'
-    dtype, the result too. Each start a multiple of ``block_k``. A decode step's low-rank up-projections then read
-    the narrow projections' parts in place: no XLA kernel sums and splits them first."""
-    if x_starts:
-        if len(x_starts) != len(matrices) or x.ndim != 3 or weight_format not in ("bf16", "bf16_nk"):
-            raise ValueError(f"x_starts needs x [M, P, W] and one start per matrix of bf16 weights; got "
-                             f"{len(x_starts)} starts, x {x.shape}, {len(matrices)} matrices of {weight_format!r}")
-        dim_k = matrices[0][0].shape[1 if weight_format == "bf16" else 2]
-        compute_dtype = matrices[0][0].dtype
-    else:
-        dim_k, compute_dtype = x.shape[1], x.dtype
+    The shared expert then runs as one more row of the routed launch instead of launches of its own."""
+    dim_k = x.shape[1]
     if shared and (not per_row or len(shared) != len(matrices)
                    or [_output_width(w, weight_format) for w in shared]
                    != [_output_width(w, weight_format) for w in matrices]):
@@ -393,8 +363,7 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
     num_experts = matrices[0][0].shape[0] if per_row else group_sizes.shape[0]
     widths = [_output_width(w, weight_format) for w in matrices]
     dim_n = sum(widths)
-    cfg = fit_config(config, weight_format, compute_dtype, matrices[0][0].dtype,
-                     *((x.shape[1], x.dtype) if x_starts else ()))
+    cfg = fit_config(config, weight_format, x.dtype, matrices[0][0].dtype)
     block_m, block_n, block_k, split_k, weights_lhs = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, \
         cfg.weights_lhs
     if any(n % block_n for n in widths) or dim_k % block_k:
@@ -412,9 +381,6 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         matrices, shared = (tuple((p, _scale_words(sc)) for p, sc in group) for group in (matrices, shared))
     if split_k < 1 or (dim_k // block_k) % split_k:
         raise ValueError(f"split_k={split_k} must divide K / block_k = {dim_k // block_k}")
-    if any(start % block_k or start + dim_k > x.shape[-1] for start in x_starts):
-        raise ValueError(f"x_starts {x_starts} must be multiples of block_k={block_k} with K={dim_k} columns of "
-                         f"x's {x.shape[-1]} after each")
     schedule = group_sizes.astype(jnp.int32) if per_row else make_tile_schedule(group_sizes, num_rows, block_m)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731 - full-array ref
     offset = jnp.stack([jnp.asarray(expert_offset, jnp.int32), jnp.asarray(shared_offset, jnp.int32)])
@@ -424,9 +390,8 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
                                split_k=split_k, part_tiles=tuple(n // block_n for n in widths),
                                x_repeat=num_rows // x.shape[0] if per_row else 0,
                                pairs_decode="asm" if weight_format in ("mxfp4_pairs", "mxfp4_words")
-                               and not interpret_mode() else "jnp", shared=bool(shared), narrow_scales=narrow_scales,
-                               dim_k=dim_k, x_starts=x_starts)
-    out = jax.ShapeDtypeStruct((num_rows, dim_n), compute_dtype) if split_k == 1 else jax.ShapeDtypeStruct(
+                               and not interpret_mode() else "jnp", shared=bool(shared), narrow_scales=narrow_scales)
+    out = jax.ShapeDtypeStruct((num_rows, dim_n), x.dtype) if split_k == 1 else jax.ShapeDtypeStruct(
         (num_rows, split_k * dim_n), jnp.float32)
     result = pl.pallas_call(
         kernel,
@@ -442,4 +407,4 @@ def grouped_gemm_concat_pallas(x: jax.Array, matrices: tuple[tuple[jax.Array, ..
         return result.reshape(num_rows, split_k, dim_n)
     if split_k == 1:
         return result
-    return jnp.sum(result.reshape(num_rows, split_k, dim_n), axis=1).astype(compute_dtype)
+    return jnp.sum(result.reshape(num_rows, split_k, dim_n), axis=1).astype(x.dtype)

@@ -193,7 +193,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transp
 def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: jax.Array | None = None, *,
                           row_experts: jax.Array | None = None, transpose_rhs: bool = False,
                           layer: int | None = None, impl: str | None = None, sum_splits: bool = True,
-                          shared: Sequence[jax.Array] = (), x_columns: Sequence[int] = ()) -> jax.Array:
+                          shared: Sequence[jax.Array] = ()) -> jax.Array:
     """:func:`grouped_matmul` against several weights of the same K and leading shape: ``[M, sum N_i]``, the
     products side by side, from one kernel launch (Pallas).
 
@@ -208,23 +208,7 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
 
     ``shared`` (with ``row_experts`` and ``layer``): the shared expert's stacked weights ``[L, K, N_i]`` (``[L,
     N_i, K]`` with ``transpose_rhs``), one per entry of ``ws``; rows whose expert is ``SHARED_EXPERT`` (-1) use
-    layer ``layer`` of them, in the same launch as the routed rows.
-
-    ``x_columns`` (one per matrix; not with ``shared`` or ``sum_splits=False``): x is ``[M, P, W]`` split-K parts
-    (as ``sum_splits=False`` returns them) whose sum is the input; matrix i reads the summed columns
-    ``[x_columns[i], + K)`` in the weights' dtype, and the result has that dtype. A consumer of another launch's
-    narrow products reads them in place this way, with no XLA kernel to sum and split them first."""
-    if x_columns:
-        if len(x_columns) != len(ws) or x.ndim != 3 or shared or not sum_splits:
-            raise ValueError(f"x_columns needs x [M, P, W], one column per matrix, no shared matrices and summed "
-                             f"splits; got {len(x_columns)} for {len(ws)} matrices, x {x.shape}")
-        if resolve_impl(impl) == "reference":
-            summed = jnp.sum(x, axis=1).astype(ws[0].dtype)
-            dim_k = ws[0].shape[-1] if transpose_rhs else ws[0].shape[-2]
-            return jnp.concatenate([grouped_matmul_concat(summed[:, c:c + dim_k], (w,), group_sizes,
-                                                          row_experts=row_experts, transpose_rhs=transpose_rhs,
-                                                          layer=layer, impl=impl) for c, w in zip(x_columns, ws)],
-                                   axis=-1)
+    layer ``layer`` of them, in the same launch as the routed rows."""
     groups, per_row = _groups(group_sizes, row_experts, x)
     if shared and (not per_row or layer is None or len(shared) != len(ws)):
         raise ValueError("shared needs row_experts, layer and one shared matrix per routed matrix")
@@ -246,5 +230,4 @@ def grouped_matmul_concat(x: jax.Array, ws: Sequence[jax.Array], group_sizes: ja
     cfg = tile_config(rows, rows if per_row else groups.shape[0], sum(widths), dim_k, "bf16", widths)
     return grouped_gemm_concat_pallas(x, tuple((w,) for w in ws), groups, offset,
                                       weight_format="bf16_nk" if transpose_rhs else "bf16", per_row=per_row,
-                                      sum_splits=sum_splits, config=GroupedGemmConfig(**cfg),
-                                      x_starts=tuple(x_columns), **extra)
+                                      sum_splits=sum_splits, config=GroupedGemmConfig(**cfg), **extra)

@@ -112,9 +112,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fuse-shared-expert", action="store_true",
                         help="run the shared expert as one more row of the routed expert launches at decode "
                              "(kimi_jax.layers.ffn.FUSE_SHARED_EXPERT; bf16 experts without a latent projection)")
-    parser.add_argument("--kda-narrow-parts", action="store_true",
-                        help="kimi_jax.layers.kda.NARROW_FROM_PARTS: at decode, f_b and g_b read the narrow KDA "
-                             "projections' split-K parts in one launch (no XLA slice kernel between)")
     parser.add_argument("--mxfp4-mgpu", action="store_true",
                         help="re-lay MXFP4 experts for the Mosaic-GPU decode kernel (kimi_jax.layers.ffn."
                              "use_mgpu_layout) before building the runner")
@@ -191,10 +188,6 @@ def main(argv: list[str] | None = None) -> None:
         from kimi_jax.layers import ffn
 
         ffn.FUSE_SHARED_EXPERT = True
-    if args.kda_narrow_parts:
-        from kimi_jax.layers import kda
-
-        kda.NARROW_FROM_PARTS = True
     start = time.perf_counter()
     full = get_preset(args.preset)
     n = args.layers

@@ -72,12 +72,6 @@ def grouped_gemm_shared(x, w1, w3, shared_gate, shared_up, row_experts):
                                                   shared=((shared_gate,), (shared_up,)), shared_offset=3)
 
 
-def low_rank_ups_from_parts(parts, f_b, g_b, group_sizes):
-    """Kimi-Linear's f_b and g_b at decode reading the narrow projections' 18 split-K parts in place (layer 3)."""
-    return gemm_kernel.grouped_gemm_concat_pallas(parts, ((f_b,), (g_b,)), group_sizes, 3, weight_format="bf16",
-                                                  x_starts=(0, 128), config=DECODE_TILES)
-
-
 def add_rms_norm_partials(x, split_parts, expert_rows, router_weights, norm_weight):
     """A residual add + norm with split-K parts and router-weighted rows as its addend."""
     partials = PartialSum.of((split_parts, None), (expert_rows, router_weights))
@@ -152,9 +146,6 @@ CASES = {
     "grouped_gemm_per_row_shared": (grouped_gemm_shared, [
         S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
         S((26, 2304, 1024), jnp.bfloat16), S((26, 2304, 1024), jnp.bfloat16), S((9,), jnp.int32)]),
-    "grouped_gemm_input_from_parts": (low_rank_ups_from_parts, [
-        S((1, 18, 288), jnp.float32), S((20, 128, 4096), jnp.bfloat16), S((20, 128, 4096), jnp.bfloat16),
-        S((1,), jnp.int32)]),
     "grouped_gemm_mxfp4_pairs": (mxfp4_pairs_gemm, [S((2, 3584), jnp.bfloat16), S((56, 3072, 1792), jnp.uint8),
                                                     S((56, 3072, 112), jnp.uint8), S((16,), jnp.int32)]),
     "grouped_gemm_mxfp4_pairs_prefill": (mxfp4_pairs_prefill_gemm, [

@@ -290,64 +290,6 @@ def test_concat_ops_read_the_stacked_layer():
     np.testing.assert_array_equal(want[:, :32], grouped_matmul_reference(x, ws[0][1], gs))
 
 
-def split_k_parts(seed, rows, parts, width):
-    """fp32 split-K parts ``[rows, parts, width]`` of an input, and that input (their sum, rounded to bf16) in
-    float64; the columns past ``2 * 64`` are NaN: no window reads them."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, parts, width)).astype(np.float32)
-    x[:, :, 128:] = np.nan
-    summed = np.asarray(jnp.asarray(x.astype(np.float64).sum(1).astype(np.float32), jnp.bfloat16), np.float64)
-    return jnp.asarray(x), summed
-
-
-@pytest.mark.parametrize("rows,parts,split_k", [(1, 3, 1), (5, 1, 2), (3, 18, 2)])
-def test_input_read_in_place_from_split_k_parts(rows, parts, split_k):
-    """``x_columns`` / ``x_starts``: the kernel sums x's split-K parts and each matrix reads its own K columns of
-    the sum (windows at 0 and 64; the NaN columns after them are never read), as float64 does on the bf16-rounded
-    sum; through the public op (layer 1 of a stack whose layer 0 is NaN, pallas and reference) and through the
-    kernel with split-K tiles of its own."""
-    x, summed = split_k_parts(rows * 100 + parts, rows, parts, 144)
-    rng = np.random.default_rng(parts)
-    ws = [jnp.asarray(rng.standard_normal((2, 1, 64, n)), jnp.bfloat16).at[0].set(jnp.nan) for n in (32, 16)]
-    gs = jnp.asarray([rows], jnp.int32)
-    want = np.concatenate([summed[:, c:c + 64] @ np.asarray(w[1, 0], np.float64) for c, w in zip((0, 64), ws)], 1)
-    for impl in ("pallas", "reference"):
-        got = grouped_matmul_concat(x, ws, gs, layer=1, impl=impl, x_columns=(0, 64))
-        assert got.dtype == jnp.bfloat16 and got.shape == (rows, 48)
-        assert_rows_close(got, want)
-    got = grouped_gemm_concat_pallas(x, tuple((w[1],) for w in ws), gs, weight_format="bf16", x_starts=(0, 64),
-                                     **tiles(split_k=split_k))
-    assert_rows_close(got, want)
-
-
-def test_input_windows_must_fit_the_tiles():
-    """A window start that is not a multiple of ``block_k``, one running past x, MXFP4 weights, or a start count
-    other than the matrices' are refused with a ValueError, not read wrongly."""
-    x, _ = split_k_parts(0, 2, 2, 144)
-    w = (jnp.zeros((1, 64, 16), jnp.bfloat16),)
-    gs = jnp.asarray([2], jnp.int32)
-    for starts in ((16,), (96,), (0, 64)):
-        with pytest.raises(ValueError, match="x_starts"):
-            grouped_gemm_concat_pallas(x, (w,), gs, weight_format="bf16", x_starts=starts, **tiles())
-    _, packed, scales, _ = random_problem(3, [2], 2)
-    with pytest.raises(ValueError, match="x_starts"):
-        grouped_gemm_concat_pallas(x, ((packed, scales),), gs, weight_format="mxfp4", x_starts=(0,), **tiles())
-    for impl in ("pallas", "reference"):
-        with pytest.raises(ValueError, match="x_columns"):
-            grouped_matmul_concat(x, [w[0][None]], gs, impl=impl, x_columns=(0,), sum_splits=False)
-
-
-def test_split_k_parts_count_in_the_shared_memory_estimate():
-    """Every part of x is a tile of its own in the estimate (18 fp32 parts at the decode tiling: 147 KB per stage
-    instead of 4 KB), so the tiling shrinks to what the device holds instead of failing to compile."""
-    from pallas_kernels.mxfp4.kernel import smem_bytes
-
-    cfg = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, weights_lhs=True, num_stages=4)
-    plain = smem_bytes(cfg, "bf16", jnp.bfloat16, jnp.bfloat16)
-    parts = smem_bytes(cfg, "bf16", jnp.bfloat16, jnp.bfloat16, 18, jnp.float32)
-    assert parts - plain == 4 * (18 * 16 * 128 * 4 - 16 * 128 * 2)
-
-
 @pytest.mark.parametrize("weight_format,split_k", [("mxfp4", 1), ("bf16", 2)])
 def test_per_row_experts_in_any_order(weight_format, split_k):
     """``row_experts``: each row multiplies its own expert (rows unsorted, experts repeated, layer 1 of a stack
