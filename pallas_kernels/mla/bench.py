@@ -308,14 +308,17 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
             save()
 
 
-def run_mgpu(report: dict, ceil: dict, over) -> None:
+def run_mgpu(report: dict, ceil: dict, over, heads=HEADS) -> None:
     """Long-context decode: the Mosaic-GPU warpgroup kernel (accumulator chunks of 64 / 128 columns, one wave
-    of KV splits or two) against the Triton kernel's default tiling, same inputs; the first case of each H also
-    checks their outputs agree."""
+    of KV splits or two) and, at 65-96 heads, the wide kernel (``decode_mgpu_wide``: 2 / 3 stages, one wave of
+    splits or two)
+    against the Triton kernel's default tiling, same inputs; the first case of each H also checks that every
+    Mosaic-GPU variant agrees with the Triton kernel."""
     from pallas_kernels.mla.decode_mgpu import default_splits, mla_decode_mgpu
+    from pallas_kernels.mla.decode_mgpu_wide import mla_decode_mgpu_wide, rows_fit
 
     report["mgpu"] = []
-    for num_heads in (12, 32, 96):
+    for num_heads in heads:
         # table_x > 1: the block table is that many times wider than the context (scratch page 0 past it), as in
         # the engine, whose page buckets run ahead of the contexts
         for batch, context, table_x in ((16, 32768, 1), (64, 32768, 1), (16, 131072, 1), (1, 131072, 1),
@@ -334,6 +337,12 @@ def run_mgpu(report: dict, ceil: dict, over) -> None:
                 lambda q, p, t, ctx, c=c, n=n: mla_decode_mgpu(q, p, t, ctx, scale=SCALE,
                                                                config=MLADecodeMGPUConfig(chunk=c, splits=n)))
                 for c, n in ((64, one_wave), (128, one_wave), (64, 2 * one_wave))}
+            if rows_fit(1, num_heads):
+                wave = default_splits(batch, 1, tables.shape[1] * BLOCK_SIZE // 32)
+                variants |= {f"mgpu_wide_stages{st}_splits{n}": jax.jit(
+                    lambda q, p, t, ctx, n=n, st=st: mla_decode_mgpu_wide(
+                        q, p, t, ctx, scale=SCALE, config=MLADecodeMGPUConfig(splits=n, wide_stages=st)))
+                    for st, n in ((2, wave), (3, wave), (2, 2 * wave))}
 
             def measure(row, q=q, pages=pages, tables=tables, ctx=ctx, cu=cu, roof=roof, triton=triton,
                         variants=variants, batch=batch, context=context):
@@ -343,10 +352,12 @@ def run_mgpu(report: dict, ceil: dict, over) -> None:
                     row[f"{name}_cache_TBps"] = batch * context * 2 * W / sec / 1e12
                     row[f"{name}_pct_roof"] = 100 * roof / sec
                 if not report["mgpu"] or report["mgpu"][-1]["H"] != row["H"]:
-                    (o_t, lse_t), (o_m, lse_m) = triton(q, pages, tables, ctx, cu), next(iter(variants.values()))(
-                        q, pages, tables, ctx)
-                    row["max_abs_diff_o"] = float(jnp.max(jnp.abs(o_t.astype(jnp.float32) - o_m.astype(jnp.float32))))
-                    row["max_abs_diff_lse"] = float(jnp.max(jnp.abs(lse_t - lse_m)))
+                    o_t, lse_t = triton(q, pages, tables, ctx, cu)
+                    for name, fn in variants.items():
+                        o_m, lse_m = fn(q, pages, tables, ctx)
+                        row[f"{name}_max_abs_diff_o"] = float(jnp.max(jnp.abs(o_t.astype(jnp.float32)
+                                                                              - o_m.astype(jnp.float32))))
+                        row[f"{name}_max_abs_diff_lse"] = float(jnp.max(jnp.abs(lse_t - lse_m)))
 
             row = {"H": num_heads, "B": batch, "ctx": context, "table_x": table_x, "bytes": nbytes,
                    "roof_us": roof * 1e6}
@@ -436,6 +447,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip remaining items after this")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    parser.add_argument("--heads", type=int, nargs="+", default=HEADS, help="head counts of the mgpu section")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -475,7 +487,7 @@ def main() -> None:
         run_absorb(report, ceil)
         save()
     if "mgpu" in sections:
-        run_mgpu(report, ceil, over)
+        run_mgpu(report, ceil, over, args.heads)
         save()
     report["elapsed_s"] = time.perf_counter() - t0
     save()
