@@ -310,12 +310,9 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
 
 def run_mgpu(report: dict, ceil: dict, over, heads=HEADS) -> None:
     """Long-context decode: the Mosaic-GPU warpgroup kernel (accumulator chunks of 64 / 128 columns, one wave
-    of KV splits or two) and, at 65-96 heads, the wide kernel (``decode_mgpu_wide``: 2 / 3 stages, one wave of
-    splits or two)
-    against the Triton kernel's default tiling, same inputs; the first case of each H also checks that every
-    Mosaic-GPU variant agrees with the Triton kernel."""
+    of KV splits or two) against the Triton kernel's default tiling, same inputs, for each of ``heads``; the first
+    case of each H also checks that every Mosaic-GPU variant agrees with the Triton kernel."""
     from pallas_kernels.mla.decode_mgpu import default_splits, mla_decode_mgpu
-    from pallas_kernels.mla.decode_mgpu_wide import mla_decode_mgpu_wide, rows_fit
 
     report["mgpu"] = []
     for num_heads in heads:
@@ -337,12 +334,6 @@ def run_mgpu(report: dict, ceil: dict, over, heads=HEADS) -> None:
                 lambda q, p, t, ctx, c=c, n=n: mla_decode_mgpu(q, p, t, ctx, scale=SCALE,
                                                                config=MLADecodeMGPUConfig(chunk=c, splits=n)))
                 for c, n in ((64, one_wave), (128, one_wave), (64, 2 * one_wave))}
-            if rows_fit(1, num_heads):
-                wave = default_splits(batch, 1, tables.shape[1] * BLOCK_SIZE // 32)
-                variants |= {f"mgpu_wide_stages{st}_splits{n}": jax.jit(
-                    lambda q, p, t, ctx, n=n, st=st: mla_decode_mgpu_wide(
-                        q, p, t, ctx, scale=SCALE, config=MLADecodeMGPUConfig(splits=n, wide_stages=st)))
-                    for st, n in ((2, wave), (3, wave), (2, 2 * wave))}
 
             def measure(row, q=q, pages=pages, tables=tables, ctx=ctx, cu=cu, roof=roof, triton=triton,
                         variants=variants, batch=batch, context=context):

@@ -92,8 +92,6 @@ class MLADecodeMGPUConfig:
     * ``chunk``: accumulator columns per ``P V`` product, 64 or 128 (128 was 1-15% faster at all 8 shapes timed).
     * ``min_rows``: (token, head) rows per sequence from which decode routes here (at H=12 the Triton kernel was
       3-11% faster, at H=32 this one 1.5-1.6x).
-    * ``wide_stages``: 32-key cache stages of the wide kernel (65-96 rows,
-      :func:`~pallas_kernels.mla.decode_mgpu_wide.mla_decode_mgpu_wide`): 2, or 3 with one ``P`` buffer.
     """
 
     splits: int | None = None
@@ -101,4 +99,3 @@ class MLADecodeMGPUConfig:
     chunk: int | None = None
     num_sms: int | None = None
     min_rows: int | None = None
-    wide_stages: int | None = None

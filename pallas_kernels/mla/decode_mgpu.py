@@ -22,11 +22,14 @@ writes fp32 partials (o, natural-log lse) that :func:`pallas_kernels.mla.referen
 (sequences, head blocks, splits). ``jax.export`` for CUDA runs Mosaic-GPU's layout inference on the CPU, so the
 GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-byte swizzle).
 
-Limits: at H=96 the kernel is compute-bound (2176 FLOPs per (head, key) for 1152 bytes per key: 181 FLOP/byte
-with 96 real heads, 242 as executed in two 64-row blocks, against the H200's ridge of about 180), at 42-44% of
-copy bandwidth. Fewer executed rows (packing two tokens' remainders) or forming S once per CTA (warpgroup 0 alone,
-P and the row rescales through shared memory to warpgroup 1) would move it; the latter, as written, needed
-232,504 B of shared memory against the 232,448 allowed.
+Limits: at H=96 the kernel is compute-bound. The heads need 2176 FLOPs per (head, key) for 1152 bytes per key (181
+FLOP/byte, against the H200's ridge of about 180); as executed, two 64-row CTAs whose two warpgroups each form the
+same scores, 370 FLOP/byte, which run at about 90% of the bf16 ``wgmma`` rate (42-44% of copy bandwidth; the H100,
+whose tensor rate is the same, takes the same time). Forming S once per CTA would move it. Two ways were tried:
+warpgroup 0 alone, P and the rescales through shared memory to warpgroup 1, needed 232,504 B of shared memory
+against the 232,448 allowed; one CTA for all 96 rows (scores once per warpgroup half, ``O^T = V^T P^T`` with the
+heads on wgmma's N, 32-key stages to fit shared memory, a barrier between the warpgroups each step) was correct but
+2.0x slower (BENCHMARKS.md, MLA attention).
 
 Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
