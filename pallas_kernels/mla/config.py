@@ -92,8 +92,6 @@ class MLADecodeMGPUConfig:
     * ``chunk``: accumulator columns per ``P V`` product, 64 or 128 (128 was 1-15% faster at all 8 shapes timed).
     * ``min_rows``: (token, head) rows per sequence from which decode routes here (at H=12 the Triton kernel was
       3-11% faster, at H=32 this one 1.5-1.6x).
-    * ``shared_scores``: warpgroup 0 alone forms the scores and hands P (and the row rescales) to warpgroup 1
-      through shared memory, instead of both forming them.
     """
 
     splits: int | None = None
@@ -101,4 +99,3 @@ class MLADecodeMGPUConfig:
     chunk: int | None = None
     num_sms: int | None = None
     min_rows: int | None = None
-    shared_scores: bool | None = None

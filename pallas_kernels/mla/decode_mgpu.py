@@ -22,14 +22,14 @@ writes fp32 partials (o, natural-log lse) that :func:`pallas_kernels.mla.referen
 (sequences, head blocks, splits). ``jax.export`` for CUDA runs Mosaic-GPU's layout inference on the CPU, so the
 GPU lowering is tested here too (a 32-key step failed it: its P tile needs a 64-byte swizzle).
 
-Limits: at H=96 the kernel is compute-bound. The heads need 2176 FLOPs per (head, key) for 1152 bytes per key (181
-FLOP/byte, against the H200's ridge of about 180); as executed, two 64-row CTAs whose two warpgroups each form the
-same scores, 370 FLOP/byte, which run at about 90% of the bf16 ``wgmma`` rate (42-44% of copy bandwidth; the H100,
-whose tensor rate is the same, takes the same time). Forming S once per CTA would move it. Two ways were tried:
-warpgroup 0 alone, P and the rescales through shared memory to warpgroup 1, needed 232,504 B of shared memory
-against the 232,448 allowed; one CTA for all 96 rows (scores once per warpgroup half, ``O^T = V^T P^T`` with the
-heads on wgmma's N, 32-key stages to fit shared memory, a barrier between the warpgroups each step) was correct but
-2.0x slower (BENCHMARKS.md, MLA attention).
+Limits: at H=96 the kernel reads the cache at 42-44% of copy bandwidth. The heads need 2176 FLOPs per (head, key)
+for 1152 bytes per key (181 FLOP/byte, against the H200's ridge of about 180); as executed (two 64-row CTAs whose
+two warpgroups each form the same scores) 370 FLOP/byte, 677 TFLOP/s at batch 16, 32K. Executing fewer did not
+help (BENCHMARKS.md, MLA attention): warpgroup 0 alone forming the scores and handing P and the rescales to
+warpgroup 1 through shared memory (1.53x fewer FLOPs; it fits once the cross-warp reduction scratch is dropped) was
+1.14-1.17x slower at H=32 and H=96, and one CTA for all 96 rows (1.73x fewer) 2.0x slower. The timings point to
+each warpgroup's chain per step (S ``wgmma``, wait, softmax, ``P V``) as the limit: two independent warpgroups
+overlap their chains, a hand-off serialises them.
 
 Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
@@ -67,11 +67,8 @@ WIDTH = 576  # latent (512) + rope key (64) columns per cache row
 RANK = 512
 
 
-ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of one value per accumulator row
-
-
-def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *scratch, layer, scale,
-            tiles_per_page, tiles_per_split, num_splits, chunk, stages, q_len, num_heads, shared, interpret):
+def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
+            tiles_per_page, tiles_per_split, num_splits, chunk, stages, q_len, num_heads):
     seq, head_block, split = lax.axis_index("seq"), lax.axis_index("hb"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     rows = pl.ds(head_block * ROWS, ROWS)
@@ -84,18 +81,17 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
     num_pages, max_pages = pages_gmem.shape[1], tables_gmem.shape[1]
     half = RANK // 2
     log2e = math.log2(math.e)
-    if shared:  # P [64, 64] bf16 and the row rescales [64] f32 from warpgroup 0 to 1; P's ready and free barriers
-        p_smem, alpha_smem, ready, free = scratch
-    elif interpret:  # [2, 64, 64] bf16: each warpgroup's P (the interpreter's wgmma reads A from shared memory only)
-        (p_smem,) = scratch
 
     def page_block(step):  # block index of step's [BLOCK_KV, 576] rows: (layer, page, tile in page, 0)
         tile = first_tile + step  # step < num_steps: this split's own tiles of the context only
         page = tables_gmem[seq, jnp.minimum(tile // tiles_per_page, max_pages - 1)]
         return layer, jnp.clip(page, 0, num_pages - 1), lax.rem(tile, tiles_per_page), 0
 
-    def softmax(k_smem, start, m, l):
-        """S = Q K^T of a step (keys from ``start``) -> (P bf16 [64, 64], row rescale, new row max, new row sum)."""
+    def step_body(idx, k_smem, carry):
+        (step,) = idx
+        start = (first_tile + step) * BLOCK_KV
+        *accs, m, l = carry
+
         def scores(s_ref):
             plgpu.wgmma(s_ref, q_smem, k_smem.T)
             return s_ref[...]
@@ -111,90 +107,44 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-        return p.astype(jnp.bfloat16), alpha, m_new, l * alpha + p.sum(axis=1)
+        l = l * alpha + p.sum(axis=1)
+        probabilities = p.astype(jnp.bfloat16)
+        if p_smem:  # the interpreter's wgmma reads A from shared memory only
+            p_smem[0][wg] = probabilities
+            plgpu.commit_smem()
+            probabilities = p_smem[0].at[wg]
 
-    def accumulate(k_smem, accs, alpha, probabilities):
-        """accs * alpha + P V for this warpgroup's columns [wg * 256 + c * chunk, + chunk) of each chunk c; P in
-        registers or a shared-memory ref."""
-        def values(c):
+        def values(c):  # V for this warpgroup's columns [wg * 256 + c * chunk, + chunk)
             return k_smem.at[:, pl.ds(wg * half + c * chunk, chunk)]
 
         accs = [a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in accs]
-        if interpret:  # the interpreter has no accumulator initialised from registers: a product per chunk, added
+        if p_smem:  # the interpreter has no accumulator initialised from registers: a product per chunk, added
             def product(c, acc_ref):
                 plgpu.wgmma(acc_ref, probabilities, values(c))
                 return acc_ref[...]
-            return [a + pl.run_scoped(functools.partial(product, c), plgpu.ACC((ROWS, chunk), jnp.float32))
+            accs = [a + pl.run_scoped(functools.partial(product, c), plgpu.ACC((ROWS, chunk), jnp.float32))
                     for c, a in enumerate(accs)]
-
-        def products(acc_refs):  # every chunk's P V accumulates in place, issued back to back, one wait for all
-            for c, acc_ref in enumerate(acc_refs):
-                plgpu.wgmma(acc_ref, probabilities, values(c))
-        return list(pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs)))
-
-    def step_body(idx, k_smem, carry):
-        (step,) = idx
-        start = (first_tile + step) * BLOCK_KV
-        *accs, m, l = carry
-        if not shared:  # each warpgroup forms the scores itself
-            probabilities, alpha, m, l = softmax(k_smem, start, m, l)
-            if interpret:
-                p_smem[wg] = probabilities
-                plgpu.commit_smem()
-                probabilities = p_smem.at[wg]
-            return (*accumulate(k_smem, accs, alpha, probabilities), m, l)
-
-        def produce(carry):  # warpgroup 0: scores, softmax, P to shared memory once warpgroup 1 is done with it
-            *accs, m, l = carry
-            probabilities, alpha, m, l = softmax(k_smem, start, m, l)
-            plgpu.barrier_wait(free)
-            p_smem[...] = probabilities
-            alpha_smem[...] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ready)
-            return (*accumulate(k_smem, accs, alpha, p_smem if interpret else probabilities), m, l)
-
-        def consume(carry):  # warpgroup 1: P V from warpgroup 0's P, then hand the buffer back
-            *accs, m, l = carry
-            plgpu.barrier_wait(ready)
-            accs = accumulate(k_smem, accs, plgpu.load(alpha_smem, layout=ROW), p_smem)
-            plgpu.barrier_arrive(free)
-            return (*accs, m, l)
-
-        return lax.cond(wg == 0, produce, consume, (*accs, m, l))
+        else:  # every chunk's P V accumulates in place, issued back to back, one wait for all
+            def products(acc_refs):
+                for c, acc_ref in enumerate(acc_refs):
+                    plgpu.wgmma(acc_ref, probabilities, values(c))
+            accs = list(pl.run_state(products)(tuple(plgpu.ACC.init(a) for a in accs)))
+        return (*accs, m_new, l)
 
     def compute(run_pipeline):
         @pl.when(wg == 0)
         def _():
             plgpu.copy_gmem_to_smem(q_gmem.at[seq, rows], q_smem, q_barrier)
 
-        if shared:
-            @pl.when(wg == 1)
-            def _():
-                plgpu.barrier_arrive(free)  # P's buffer starts free
-
         plgpu.barrier_wait(q_barrier)
         zero = jnp.zeros((ROWS, chunk), jnp.float32)
         init = (*([zero] * (half // chunk)), jnp.full((ROWS,), -jnp.inf, jnp.float32), jnp.zeros((ROWS,), jnp.float32))
         *accs, m, l = run_pipeline(init)
         empty = l == 0.0
-        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-        if shared:  # warpgroup 0 holds the row sums: the reciprocals go to warpgroup 1 through the rescales' buffer
-            @pl.when(wg == 0)
-            def _():
-                plgpu.barrier_wait(free)
-                alpha_smem[...] = inv
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ready)
-
-            @pl.when(wg == 1)
-            def _():
-                plgpu.barrier_wait(ready)
-
-            inv = plgpu.load(alpha_smem, layout=ROW)
+        inv = 1.0 / jnp.where(empty, 1.0, l)
         for c, acc in enumerate(accs):  # straight from registers: no shared memory is left for staging
             o_gmem.at[split, seq, rows, pl.ds(wg * half + c * chunk, chunk)][...] = (
-                acc * lax.broadcast_in_dim(inv, acc.shape, [0]))
+                acc * lax.broadcast_in_dim(jnp.where(empty, 0.0, inv), acc.shape, [0]))
 
         @pl.when(wg == 0)
         def _():
@@ -217,12 +167,10 @@ def default_splits(num_seqs: int, head_blocks: int, tiles: int, num_sms: int | N
     return max(1, min(tiles, num_sms // (num_seqs * head_blocks)))
 
 
-def smem_bytes(stages: int, shared: bool = False) -> int:
+def smem_bytes(stages: int) -> int:
     """Shared memory the kernel allocates: Q ``[64, 576]`` bf16, ``stages`` cache tiles ``[64, 576]`` bf16, and
-    the barriers (Q's, and each stage's two); with ``shared`` scores also P ``[64, 64]`` bf16, the row rescales
-    ``[64]`` f32 and P's two barriers."""
-    return (2 * ROWS * WIDTH + stages * 2 * BLOCK_KV * WIDTH + (1 + 2 * stages) * BARRIER_BYTES
-            + shared * (2 * ROWS * BLOCK_KV + 4 * ROWS + 2 * BARRIER_BYTES))
+    the barriers (Q's, and each stage's two)."""
+    return 2 * ROWS * WIDTH + stages * 2 * BLOCK_KV * WIDTH + (1 + 2 * stages) * BARRIER_BYTES
 
 
 def _fresh_index_buffer(x: jax.Array) -> jax.Array:
@@ -257,37 +205,32 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
         raise ValueError(f"q [N, H, {WIDTH}] and bf16 pages [.., bs, {WIDTH}] expected; got q {q.shape}, pages "
                          f"{pages.dtype}{list(pages.shape)}")
     cfg = tuning.resolve(MLADecodeMGPUConfig, config)
-    splits, stages, chunk, shared = cfg.splits, cfg.stages, cfg.chunk, bool(cfg.shared_scores)
+    splits, stages, chunk = cfg.splits, cfg.stages, cfg.chunk
     if block_size % BLOCK_KV or (RANK // 2) % chunk or chunk % 64:
         raise ValueError(f"block_size {block_size} must be a multiple of {BLOCK_KV} and chunk {chunk} 64 or 128")
     tiles_per_page = block_size // BLOCK_KV
     tiles = block_tables.shape[1] * tiles_per_page
     head_blocks = -(-(q_len * num_heads) // ROWS)
     splits = splits or default_splits(num_seqs, head_blocks, tiles, cfg.num_sms)
-    tuning.check_smem("mla_decode_mgpu", smem_bytes(stages, shared), f"stages={stages}, shared_scores={shared}")
+    tuning.check_smem("mla_decode_mgpu", smem_bytes(stages), f"stages={stages}")
     tiles_per_split = -(-tiles // splits)
     rows = head_blocks * ROWS
     q_rows = q.astype(jnp.bfloat16).reshape(num_seqs, q_len * num_heads, WIDTH)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, rows - q_len * num_heads), (0, 0)))
-    interpret = not on_gpu() if interpret is None else interpret
     kernel = functools.partial(_kernel, layer=layer, scale=float(scale), tiles_per_page=tiles_per_page,
                                tiles_per_split=tiles_per_split, num_splits=splits, chunk=chunk, stages=stages,
-                               q_len=q_len, num_heads=num_heads, shared=shared, interpret=interpret)
-    p_tile = functools.partial(plgpu.SMEM, dtype=jnp.bfloat16, transforms=wgmma_operand_transforms(BLOCK_KV))
-    if shared:
-        scratch = [p_tile((ROWS, BLOCK_KV)), plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(), plgpu.Barrier()]
-    else:
-        scratch = [p_tile((2, ROWS, BLOCK_KV))] if interpret else []
+                               q_len=q_len, num_heads=num_heads)
+    interpret = not on_gpu() if interpret is None else interpret
+    p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=wgmma_operand_transforms(BLOCK_KV))
+              ] if interpret else []
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, rows, RANK), jnp.float32),
                   jax.ShapeDtypeStruct((splits, num_seqs, rows), jnp.float32)),
         grid=(num_seqs, head_blocks, splits), grid_names=("seq", "hb", "split"), num_threads=3, thread_name="wg",
-        # the row reductions stay within warps: no cross-warp scratch (its 2 KB default is what shared scores lack)
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                             reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=wgmma_operand_transforms(WIDTH)),
-                       plgpu.Barrier(num_barriers=1), *scratch],
+                       plgpu.Barrier(num_barriers=1), *p_smem],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_rows, pages, _fresh_index_buffer(block_tables), _fresh_index_buffer(context_lens))
     o, lse = merge_partials(o_parts[:, :, :q_len * num_heads], lse_parts[:, :, :q_len * num_heads])
