@@ -309,8 +309,8 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
 
 
 def run_mgpu(report: dict, ceil: dict, over, heads=HEADS) -> None:
-    """Long-context decode: the Mosaic-GPU warpgroup kernel (accumulator chunks of 64 / 128 columns, whole or split
-    scores, one wave of KV splits or two) against the Triton kernel's
+    """Long-context decode: the Mosaic-GPU warpgroup kernel (accumulator chunks of 64 / 128 columns, one wave of
+    KV splits or two) against the Triton kernel's
     default tiling, same inputs, for each of ``heads``; the first case of each H also checks that every Mosaic-GPU
     variant agrees with the Triton kernel."""
     from pallas_kernels.mla.decode_mgpu import default_splits, mla_decode_mgpu
@@ -331,12 +331,10 @@ def run_mgpu(report: dict, ceil: dict, over, heads=HEADS) -> None:
             nbytes, _, roof = decode_roofline(batch, context, num_heads, ceil)
             triton = decode_fn({})
             one_wave = default_splits(batch, -(-num_heads // 64), tables.shape[1] * BLOCK_SIZE // 64)
-            variants = {f"mgpu_chunk{c}_{'split' if sp else 'whole'}_splits{n}": jax.jit(
-                lambda q, p, t, ctx, c=c, n=n, sp=sp: mla_decode_mgpu(
-                    q, p, t, ctx, scale=SCALE,
-                    config=MLADecodeMGPUConfig(chunk=c, splits=n, split_scores=sp, stages=3 if sp else 2)))
-                for c, n, sp in ((128, one_wave, False), (128, one_wave, True), (64, one_wave, True),
-                                 (128, 2 * one_wave, True))}
+            variants = {f"mgpu_chunk{c}_splits{n}": jax.jit(
+                lambda q, p, t, ctx, c=c, n=n: mla_decode_mgpu(q, p, t, ctx, scale=SCALE,
+                                                               config=MLADecodeMGPUConfig(chunk=c, splits=n)))
+                for c, n in ((64, one_wave), (128, one_wave), (64, 2 * one_wave))}
 
             def measure(row, q=q, pages=pages, tables=tables, ctx=ctx, cu=cu, roof=roof, triton=triton,
                         variants=variants, batch=batch, context=context):

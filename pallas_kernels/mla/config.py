@@ -92,8 +92,6 @@ class MLADecodeMGPUConfig:
     * ``chunk``: accumulator columns per ``P V`` product, 64 or 128 (128 was 1-15% faster at all 8 shapes timed).
     * ``min_rows``: (token, head) rows per sequence from which decode routes here (at H=12 the Triton kernel was
       3-11% faster, at H=32 this one 1.5-1.6x).
-    * ``split_scores``: each compute warpgroup forms the scores over half of the 576 columns and the two add the
-      halves through shared memory (32-key stages), instead of both forming all of them.
     """
 
     splits: int | None = None
@@ -101,4 +99,3 @@ class MLADecodeMGPUConfig:
     chunk: int | None = None
     num_sms: int | None = None
     min_rows: int | None = None
-    split_scores: bool | None = None

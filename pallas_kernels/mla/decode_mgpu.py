@@ -27,9 +27,10 @@ for 1152 bytes per key (181 FLOP/byte, against the H200's ridge of about 180); a
 two warpgroups each form the same scores) 370 FLOP/byte, 677 TFLOP/s at batch 16, 32K. Executing fewer did not
 help (BENCHMARKS.md, MLA attention): warpgroup 0 alone forming the scores and handing P and the rescales to
 warpgroup 1 through shared memory (1.53x fewer FLOPs; it fits once the cross-warp reduction scratch is dropped) was
-1.14-1.17x slower at H=32 and H=96, and one CTA for all 96 rows (1.73x fewer) 2.0x slower. The timings point to
-each warpgroup's chain per step (S ``wgmma``, wait, softmax, ``P V``) as the limit: two independent warpgroups
-overlap their chains, a hand-off serialises them.
+1.14-1.17x slower at H=32 and H=96; each warpgroup forming the scores over half of the 576 columns and the two
+adding the halves through shared memory (1.53x fewer, 32-key stages) 1.24x slower at H=96; one CTA for all 96 rows
+(1.73x fewer) 2.0x slower. The timings point to each warpgroup's chain per step (S ``wgmma``, wait, softmax,
+``P V``) as the limit: two independent warpgroups overlap their chains, an exchange between them serialises them.
 
 Contract: :func:`pallas_kernels.mla.reference.mla_paged_attention_reference` for decode and speculative
 verification (the same number of query tokens for every sequence, causal among them), bf16 pages,
@@ -67,54 +68,40 @@ WIDTH = 576  # latent (512) + rope key (64) columns per cache row
 RANK = 512
 
 
-SPLIT_BLOCK_KV = 32  # keys per pipeline step with split scores (their exchange buffers leave no room for 64)
-
-
-def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *scratch, layer, scale,
-            tiles_per_page, tiles_per_split, num_splits, chunk, stages, q_len, num_heads, block_kv, split):
-    seq, head_block, kv_split = lax.axis_index("seq"), lax.axis_index("hb"), lax.axis_index("split")
-    if split:  # partial scores [2 steps, 2 warpgroups, 64, block_kv] f32 and their barriers (one per step parity)
-        s_smem, ready = scratch[:2]
-    p_smem = scratch[2:] if split else scratch
+def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem, q_barrier, *p_smem, layer, scale,
+            tiles_per_page, tiles_per_split, num_splits, chunk, stages, q_len, num_heads):
+    seq, head_block, split = lax.axis_index("seq"), lax.axis_index("hb"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     rows = pl.ds(head_block * ROWS, ROWS)
     context = lens_gmem[seq]
     # this sequence's tiles, split evenly over the splits: each CTA's pipeline runs only its share's steps
-    per_split = (context + block_kv * num_splits - 1) // (block_kv * num_splits)
-    first_tile = kv_split * per_split
-    context_tiles = (context + block_kv - 1) // block_kv
+    per_split = (context + BLOCK_KV * num_splits - 1) // (BLOCK_KV * num_splits)
+    first_tile = split * per_split
+    context_tiles = (context + BLOCK_KV - 1) // BLOCK_KV
     num_steps = jnp.clip(jnp.minimum(per_split, context_tiles - first_tile), 0, tiles_per_split)
     num_pages, max_pages = pages_gmem.shape[1], tables_gmem.shape[1]
     half = RANK // 2
     log2e = math.log2(math.e)
 
-    def page_block(step):  # block index of step's [block_kv, 576] rows: (layer, page, tile in page, 0)
+    def page_block(step):  # block index of step's [BLOCK_KV, 576] rows: (layer, page, tile in page, 0)
         tile = first_tile + step  # step < num_steps: this split's own tiles of the context only
         page = tables_gmem[seq, jnp.minimum(tile // tiles_per_page, max_pages - 1)]
         return layer, jnp.clip(page, 0, num_pages - 1), lax.rem(tile, tiles_per_page), 0
 
     def step_body(idx, k_smem, carry):
         (step,) = idx
-        start = (first_tile + step) * block_kv
+        start = (first_tile + step) * BLOCK_KV
         *accs, m, l = carry
-        # split: each warpgroup forms the scores over its half of the 576 columns, and the two add the halves
-        cols = pl.ds(wg * (WIDTH // 2), WIDTH // 2) if split else slice(None)
 
         def scores(s_ref):
-            plgpu.wgmma(s_ref, q_smem.at[:, cols], k_smem.at[:, cols].T)
+            plgpu.wgmma(s_ref, q_smem, k_smem.T)
             return s_ref[...]
 
-        s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32))
-        if split:  # the other half through shared memory (two slots: a warpgroup runs at most a step ahead)
-            slot = lax.rem(step, 2)
-            s_smem[slot, wg] = s
-            plgpu.barrier_arrive(ready.at[slot])
-            plgpu.barrier_wait(ready.at[slot])
-            s = s + s_smem[slot, 1 - wg]  # s0 + s1 in one warpgroup, s1 + s0 in the other: the same floats
-        token = start + lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1)
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))
+        token = start + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 1)
         # row r is query token (head_block * 64 + r) // H of the sequence's q_len, which sees the keys before
         # context - q_len + 1 + that index (padding rows past q_len * H see them all)
-        query = (head_block * ROWS + lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0)) // num_heads
+        query = (head_block * ROWS + lax.broadcasted_iota(jnp.int32, (ROWS, BLOCK_KV), 0)) // num_heads
         visible = context - q_len + 1 + jnp.minimum(query, q_len - 1)
         s = jnp.where(token < visible, s * (scale * log2e), -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -157,17 +144,18 @@ def _kernel(q_gmem, pages_gmem, tables_gmem, lens_gmem, o_gmem, lse_gmem, q_smem
         empty = l == 0.0
         inv = 1.0 / jnp.where(empty, 1.0, l)
         for c, acc in enumerate(accs):  # straight from registers: no shared memory is left for staging
-            o_gmem.at[kv_split, seq, rows, pl.ds(wg * half + c * chunk, chunk)][...] = (
+            o_gmem.at[split, seq, rows, pl.ds(wg * half + c * chunk, chunk)][...] = (
                 acc * lax.broadcast_in_dim(jnp.where(empty, 0.0, inv), acc.shape, [0]))
 
         @pl.when(wg == 0)
         def _():
-            lse_gmem.at[kv_split, seq, rows][...] = jnp.where(empty, NO_KEY_LSE,
+            lse_gmem.at[split, seq, rows][...] = jnp.where(empty, NO_KEY_LSE,
                                                            (m + jnp.log2(jnp.where(empty, 1.0, l))) / log2e)
 
     plgpu.emit_pipeline_warp_specialized(
         step_body, grid=(num_steps,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((None, None, block_kv, WIDTH), page_block, transforms=_tile_transforms(split))],
+        in_specs=[plgpu.BlockSpec((None, None, BLOCK_KV, WIDTH), page_block,
+                                  transforms=wgmma_operand_transforms(WIDTH))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute)(pages_gmem)
 
 
@@ -180,19 +168,10 @@ def default_splits(num_seqs: int, head_blocks: int, tiles: int, num_sms: int | N
     return max(1, min(tiles, num_sms // (num_seqs * head_blocks)))
 
 
-def _tile_transforms(split: bool):
-    """Q and cache-stage tiling: 64 columns (128-byte swizzle), or 32 (64-byte) with split scores, whose column
-    halves (288) must start on a tile."""
-    return wgmma_operand_transforms(32 if split else WIDTH)
-
-
-def smem_bytes(stages: int, split: bool = False) -> int:
-    """Shared memory the kernel allocates: Q ``[64, 576]`` bf16, ``stages`` cache tiles ``[block_kv, 576]`` bf16
-    (64 keys, or 32 with ``split`` scores), the barriers (Q's, and each stage's two), and with ``split`` the partial
-    scores ``[2, 2, 64, 32]`` f32 and their two barriers."""
-    block_kv = SPLIT_BLOCK_KV if split else BLOCK_KV
-    return (2 * ROWS * WIDTH + stages * 2 * block_kv * WIDTH + (1 + 2 * stages) * BARRIER_BYTES
-            + split * (4 * 4 * ROWS * SPLIT_BLOCK_KV + 2 * BARRIER_BYTES))
+def smem_bytes(stages: int) -> int:
+    """Shared memory the kernel allocates: Q ``[64, 576]`` bf16, ``stages`` cache tiles ``[64, 576]`` bf16, and
+    the barriers (Q's, and each stage's two)."""
+    return 2 * ROWS * WIDTH + stages * 2 * BLOCK_KV * WIDTH + (1 + 2 * stages) * BARRIER_BYTES
 
 
 def _fresh_index_buffer(x: jax.Array) -> jax.Array:
@@ -227,35 +206,32 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
         raise ValueError(f"q [N, H, {WIDTH}] and bf16 pages [.., bs, {WIDTH}] expected; got q {q.shape}, pages "
                          f"{pages.dtype}{list(pages.shape)}")
     cfg = tuning.resolve(MLADecodeMGPUConfig, config)
-    splits, stages, chunk, split = cfg.splits, cfg.stages, cfg.chunk, bool(cfg.split_scores)
-    block_kv = SPLIT_BLOCK_KV if split else BLOCK_KV
+    splits, stages, chunk = cfg.splits, cfg.stages, cfg.chunk
     if block_size % BLOCK_KV or (RANK // 2) % chunk or chunk % 64:
         raise ValueError(f"block_size {block_size} must be a multiple of {BLOCK_KV} and chunk {chunk} 64 or 128")
-    tiles_per_page = block_size // block_kv
+    tiles_per_page = block_size // BLOCK_KV
     tiles = block_tables.shape[1] * tiles_per_page
     head_blocks = -(-(q_len * num_heads) // ROWS)
     splits = splits or default_splits(num_seqs, head_blocks, tiles, cfg.num_sms)
-    tuning.check_smem("mla_decode_mgpu", smem_bytes(stages, split), f"stages={stages}, split_scores={split}")
+    tuning.check_smem("mla_decode_mgpu", smem_bytes(stages), f"stages={stages}")
     tiles_per_split = -(-tiles // splits)
     rows = head_blocks * ROWS
-    interpret = not on_gpu() if interpret is None else interpret
     q_rows = q.astype(jnp.bfloat16).reshape(num_seqs, q_len * num_heads, WIDTH)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, rows - q_len * num_heads), (0, 0)))
     kernel = functools.partial(_kernel, layer=layer, scale=float(scale), tiles_per_page=tiles_per_page,
                                tiles_per_split=tiles_per_split, num_splits=splits, chunk=chunk, stages=stages,
-                               q_len=q_len, num_heads=num_heads, block_kv=block_kv, split=split)
-    scratch = [plgpu.SMEM((2, 2, ROWS, block_kv), jnp.float32),
-               plgpu.Barrier(num_arrivals=2, num_barriers=2)] if split else []
-    if interpret:
-        scratch.append(plgpu.SMEM((2, ROWS, block_kv), jnp.bfloat16, transforms=wgmma_operand_transforms(block_kv)))
+                               q_len=q_len, num_heads=num_heads)
+    interpret = not on_gpu() if interpret is None else interpret
+    p_smem = [plgpu.SMEM((2, ROWS, BLOCK_KV), jnp.bfloat16, transforms=wgmma_operand_transforms(BLOCK_KV))
+              ] if interpret else []
     o_parts, lse_parts = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, rows, RANK), jnp.float32),
                   jax.ShapeDtypeStruct((splits, num_seqs, rows), jnp.float32)),
         grid=(num_seqs, head_blocks, splits), grid_names=("seq", "hb", "split"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=_tile_transforms(split)),
-                       plgpu.Barrier(num_barriers=1), *scratch],
+        scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=wgmma_operand_transforms(WIDTH)),
+                       plgpu.Barrier(num_barriers=1), *p_smem],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q_rows, pages, _fresh_index_buffer(block_tables), _fresh_index_buffer(context_lens))
     o, lse = merge_partials(o_parts[:, :, :q_len * num_heads], lse_parts[:, :, :q_len * num_heads])

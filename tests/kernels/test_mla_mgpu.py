@@ -40,19 +40,18 @@ def reference(batch, pages):
     return np.asarray(o, np.float32), np.asarray(lse)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole_scores", "split_scores"])
 @pytest.mark.parametrize("context_lens,num_heads,block_size,splits,q_len", [
     ([150, 1, 64, 0], 16, 64, 2, 1),  # heads padded to 64 rows; one-token and empty contexts; 2 KV splits
     ([37, 200], 80, 128, 3, 1),       # two head blocks (the second half padding), 2 steps per page, 3 splits
     ([70, 3, 130], 16, 64, 2, 3),     # verification: 3 causal tokens x 16 heads = 48 rows
     ([66, 129], 40, 64, 1, 2),        # 2 tokens x 40 heads = 80 rows: a token's heads span two head blocks
 ])
-def test_decode_matches_reference(context_lens, num_heads, block_size, splits, q_len, split, rng):
+def test_decode_matches_reference(context_lens, num_heads, block_size, splits, q_len, rng):
     batch = decode_batch(rng, context_lens, num_heads, block_size, q_len)
     pages = jnp.asarray(batch.pages, jnp.bfloat16)
     o, lse = mla_decode_mgpu(jnp.asarray(batch.q, jnp.bfloat16), pages, jnp.asarray(batch.block_tables),
                              jnp.asarray(batch.context_lens), scale=SCALE, q_len=q_len,
-                             config=MLADecodeMGPUConfig(splits=splits, split_scores=split, stages=3 if split else 2))
+                             config=MLADecodeMGPUConfig(splits=splits))
     want_o, want_lse = reference(batch, pages)
     assert o.shape == (len(context_lens) * q_len, num_heads, RANK) and o.dtype == jnp.bfloat16
     o = np.asarray(o, np.float32)
@@ -133,8 +132,8 @@ def test_default_splits_fill_one_wave_without_empty_splits():
     assert default_splits(1, 1, 5) == 5  # never more splits than tiles
 
 
-@pytest.mark.parametrize("num_heads,stages,split", [(32, 2, False), (96, 2, False), (32, 3, True), (96, 3, True)])
-def test_kernel_lowers_for_cuda(num_heads, stages, split):
+@pytest.mark.parametrize("num_heads,stages", [(32, 2), (96, 2)])
+def test_kernel_lowers_for_cuda(num_heads, stages):
     """``jax.export`` for CUDA runs Mosaic-GPU's lowering (layout inference, wgmma and TMA shapes, shared-memory
     budget checks) on the CPU: K3 per-device (H=32) and unsharded (H=96, two head blocks) decode at batch 16, 32K
     context, with 64-token pages of a layer stack."""
@@ -144,8 +143,7 @@ def test_kernel_lowers_for_cuda(num_heads, stages, split):
     from jax import export
 
     S = jax.ShapeDtypeStruct
-    fn = functools.partial(mla_decode_mgpu, scale=SCALE, layer=2,
-                           config=MLADecodeMGPUConfig(stages=stages, split_scores=split),
+    fn = functools.partial(mla_decode_mgpu, scale=SCALE, layer=2, config=MLADecodeMGPUConfig(stages=stages),
                            interpret=False)
     args = [S((16, num_heads, WIDTH), jnp.bfloat16), S((4, 9000, 64, WIDTH), jnp.bfloat16), S((16, 512), jnp.int32),
             S((16,), jnp.int32)]
