@@ -310,9 +310,8 @@ def run_decode(report: dict, ceil: dict, best: dict, over, save) -> None:
 
 def run_mgpu(report: dict, ceil: dict, over, heads=HEADS) -> None:
     """Long-context decode: the Mosaic-GPU warpgroup kernel (accumulator chunks of 64 / 128 columns, one wave of
-    KV splits or two) against the Triton kernel's
-    default tiling, same inputs, for each of ``heads``; the first case of each H also checks that every Mosaic-GPU
-    variant agrees with the Triton kernel."""
+    KV splits or two) against the Triton kernel's default tiling, same inputs, for each of ``heads``; the first case
+    of each H also checks that every Mosaic-GPU variant agrees with the Triton kernel."""
     from pallas_kernels.mla.decode_mgpu import default_splits, mla_decode_mgpu
 
     report["mgpu"] = []
