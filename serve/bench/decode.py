@@ -45,9 +45,9 @@ def active_bytes(runner, batch: int, context: int) -> float:
     return weights + state + latents
 
 
-def time_to_first_token(runner, cfg, args, rng) -> dict:
-    """Seconds from add_request to the first sampled token of one ``--ttft-prompt-len`` prompt on an idle engine
-    (chunked by ``--prefill-chunk``), twice: the first run also pays one-off costs, the second is reported."""
+def time_to_first_token(runner, cfg, args, rng, n: int) -> dict:
+    """Seconds from add_request to the first sampled token of one prompt of ``n`` tokens on an idle engine (chunked
+    by ``--prefill-chunk``), twice: the first run also pays one-off costs, the second is reported."""
     from serve.engine.config import EngineConfig
     from serve.engine.engine import LLMEngine
     from serve.engine.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def time_to_first_token(runner, cfg, args, rng) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     seconds = []
     for attempt in range(2):
-        prompt = rng.integers(0, cfg.vocab_size, args.ttft_prompt_len).tolist()
+        prompt = rng.integers(0, cfg.vocab_size, n).tolist()
         start = time.perf_counter()
         engine.add_request(f"ttft-{attempt}", prompt, params)
         request = engine.scheduler.requests[f"ttft-{attempt}"]
@@ -67,7 +67,6 @@ def time_to_first_token(runner, cfg, args, rng) -> dict:
         engine.abort_request(f"ttft-{attempt}")
         while engine.has_unfinished_requests():
             engine.step()
-    n = args.ttft_prompt_len
     return dict(prompt_len=n, chunk=args.prefill_chunk, first_run_s=seconds[0], ttft_s=seconds[1],
                 prefill_tokens_per_s=n / seconds[1])
 
@@ -131,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-gib", type=float, default=4.0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="> 0: sample (top_p 0.9), which takes the general step variant with the sampler's sort")
-    parser.add_argument("--ttft-prompt-len", type=int, default=0,
-                        help="also time the first token of one prompt of this many tokens on an idle engine")
+    parser.add_argument("--ttft-prompt-len", type=int, nargs="+", default=[],
+                        help="also time the first token of one prompt of each of these lengths on an idle engine")
     parser.add_argument("--profile", action="store_true",
                         help="write jax.profiler traces of a few decode steps per batch under --out: the step "
                              "relaunched (trace_bN) and the engine loop (trace_engine_bN); and the step's "
@@ -294,11 +293,12 @@ def main(argv: list[str] | None = None) -> None:
         while engine.has_unfinished_requests():
             engine.step()
 
-    ttft = None
+    ttft = []
     if args.ttft_prompt_len:
-        ttft_runner = make_runner(args.ttft_prompt_len + args.block_size, (1,), None)
-        ttft = time_to_first_token(ttft_runner, cfg, args, rng)
-        print(json.dumps(dict(ttft=ttft)), flush=True)
+        ttft_runner = make_runner(max(args.ttft_prompt_len) + args.block_size, (1,), None)
+        for n in args.ttft_prompt_len:
+            ttft.append(time_to_first_token(ttft_runner, cfg, args, rng, n))
+            print(json.dumps(dict(ttft=ttft[-1])), flush=True)
 
     print("\n| batch | decode tok/s | step ms | device ms | host serial ms | host overlapped ms | host overhead "
           "| roofline ms | % of roofline | output crc32 |")
