@@ -15,6 +15,12 @@ The update is the reference's order (:func:`pallas_kernels.kda.reference.fused_r
     S' = S1 + beta k e^T
     o  = q^T S'
 
+With a bf16 pool the column sums come from one ``wgmma`` instead of cross-warp reductions: since ``k^T S1 = (k g)^T
+S`` and ``o = (q g)^T S + beta (q . k) e``, a 64-row A tile whose rows 0-3 are the bf16 high and low parts of ``k g``
+and ``q g`` (zeros below) against the bf16 state as B gives both sums in fp32, exact but for the products' fp32
+accumulation; the state is then read once more for the update itself. An fp32 pool keeps the reductions (``wgmma``
+would read it as tf32).
+
 The conv-state shift, causal conv + SiLU, L2 norms, gate and beta before it, and the gated RMSNorm after it, are
 XLA fusions of the reference's own code (:func:`fused_recurrent_kda_mgpu`). Contract: one token per sequence,
 ``K = V = 128``; ``out_slots[n] < 0`` skips the write. ``jax.export`` for CUDA runs Mosaic-GPU's lowering on the
@@ -37,6 +43,7 @@ from pallas_kernels.mgpu_smem import wgmma_operand_transforms
 
 DIM = 128  # K = V: the kernel's head size
 HALF = DIM // 2
+ROWS = 64  # wgmma's M: the A tile of the bf16 column sums
 
 
 def _update_in_smem(s_smem, vec_smem, beta) -> None:
@@ -64,9 +71,53 @@ def _update_in_smem(s_smem, vec_smem, beta) -> None:
     plgpu.commit_smem()
 
 
+def _hi_lo(x):
+    """The bf16 high part of fp32 ``x`` and the bf16 rounding of what it leaves (together ~16 bits of mantissa)."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> None:
+    """:func:`_update_in_smem` for a bf16 ``s_smem``, its two column sums by one ``wgmma`` (module docstring):
+    ``a_smem [64, K]`` bf16 takes the A tile, ``sums_smem [64, V]`` fp32 the product; ``beta_qk = beta (q . k)``."""
+    q, k, g = (vec_smem[i, :] for i in range(3))
+    row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, DIM), 0)
+    a = jnp.zeros((ROWS, DIM), jnp.bfloat16)
+    for r, part in enumerate(_hi_lo(k * g) + _hi_lo(q * g)):
+        a = jnp.where(row == r, jax.lax.broadcast_in_dim(part, (ROWS, DIM), [1]), a)
+    a_smem[...] = a
+    plgpu.commit_smem()
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, s_smem)
+        return acc_ref[...]
+
+    sums_smem[...] = pl.run_scoped(product, plgpu.ACC((ROWS, DIM), jnp.float32))
+    plgpu.commit_smem()
+    error = vec_smem[3, :] - (sums_smem[0, :] + sums_smem[1, :])
+    vec_smem[4, :] = sums_smem[2, :] + sums_smem[3, :] + beta_qk * error
+    for h in range(2):
+        rows = pl.ds(h * HALF, HALF)
+        s = s_smem[rows, :].astype(jnp.float32)
+        s_new = (s * jax.lax.broadcast_in_dim(vec_smem[2, rows], s.shape, [0])
+                 + jax.lax.broadcast_in_dim(vec_smem[1, rows] * beta, s.shape, [0])
+                 * jax.lax.broadcast_in_dim(error, s.shape, [1]))
+        s_smem[rows, :] = s_new.astype(s_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head) -> None:
+    """The step of pair (seq, head) in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's
+    A tile and product buffers) is given, else by reductions; ``scalars_ref [N, HV, 2]``: beta and beta (q . k)."""
+    if wgmma_smem:
+        _update_bf16_in_smem(s_smem, vec_smem, *wgmma_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
+    else:
+        _update_in_smem(s_smem, vec_smem, scalars_ref[seq, head, 0])
+
+
 def _load_pair(refs, pair, s_smem, vec_smem, state_barrier, vec_barrier, num_value_heads):
     """Start the TMA copies of ``pair``'s state (from its slot) and vectors; -> (seq, head)."""
-    slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref = refs
+    slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref = refs
     seq, head = pair // num_value_heads, pair % num_value_heads
     plgpu.copy_gmem_to_smem(state_ref.at[slots_ref[seq], head], s_smem, state_barrier)
     plgpu.copy_gmem_to_smem(vecs_ref.at[seq, head], vec_smem.at[pl.ds(0, 4)], vec_barrier)
@@ -85,24 +136,24 @@ def _store_pair(refs, o_ref, seq, head, s_smem, vec_smem) -> None:
     plgpu.copy_smem_to_gmem(vec_smem.at[4], o_ref.at[seq, head])
 
 
-def _one_pair_kernel(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar, *,
-                     num_value_heads):
+def _one_pair_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar,
+                     *wgmma_smem, num_value_heads):
     """One CTA per (sequence, value head): load, update, store (three CTAs share an SM at fp32)."""
-    refs = (slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref)
+    refs = (slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref)
     pair = jax.lax.axis_index("pair")
     seq, head = _load_pair(refs, pair, s_smem, vec_smem, bar.at[0], bar.at[1], num_value_heads)
     plgpu.barrier_wait(bar.at[1])
     plgpu.barrier_wait(bar.at[0])
-    _update_in_smem(s_smem, vec_smem, beta_ref[seq, head])
+    _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head)
     _store_pair(refs, o_ref, seq, head, s_smem, vec_smem)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _pipelined_kernel(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar, *,
-                      num_value_heads, per_cta):
+def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar,
+                      *wgmma_smem, num_value_heads, per_cta):
     """A run of ``per_cta`` consecutive (sequence, value head) pairs per CTA over two shared-memory stages: pair
     i + 1 loads while pair i updates and pair i - 1 stores."""
-    refs = (slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref)
+    refs = (slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref)
     first = jax.lax.axis_index("cta") * per_cta
     count = jnp.clip(slots_ref.shape[0] * num_value_heads - first, 0, per_cta)
 
@@ -127,7 +178,7 @@ def _pipelined_kernel(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o
         seq, head = pair // num_value_heads, pair % num_value_heads
         plgpu.barrier_wait(bar.at[2 + stage])
         plgpu.barrier_wait(bar.at[stage])
-        _update_in_smem(s_smem.at[stage], vec_smem.at[stage], beta_ref[seq, head])
+        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref, seq, head)
         _store_pair(refs, o_ref, seq, head, s_smem.at[stage], vec_smem.at[stage])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -135,8 +186,9 @@ def _pipelined_kernel(slots_ref, out_slots_ref, beta_ref, vecs_ref, state_ref, o
 
 def smem_bytes(state_dtype, stages: int = 1) -> int:
     """Shared memory of one CTA: per stage the ``[K, V]`` state, five fp32 vectors (q, k, g, v, o) and two
-    barriers."""
-    return stages * (DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8)
+    barriers; with a bf16 state also the column sums' A tile (bf16) and product (fp32), ``[64, 128]`` each."""
+    wgmma = ROWS * DIM * (2 + 4) if jnp.dtype(state_dtype) == jnp.bfloat16 else 0
+    return stages * (DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8) + wgmma
 
 
 @functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
@@ -147,7 +199,7 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
 
     state ``[S, HV, K, V]`` (fp32 or bf16), slots / out_slots int32 ``[N]`` (the write is skipped where
     ``out_slots < 0``), q (already scaled), k, g (the decay factor ``exp(gate)``) ``[N, HV, K]``, v ``[N, HV, V]``,
-    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). ``ctas``: None, one CTA per (sequence, value head);
+    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). A bf16 pool takes its column sums by ``wgmma``. ``ctas``: None, one CTA per (sequence, value head);
     else that many CTAs, each pipelining a run of pairs over two stages. ``interpret``: the Mosaic-GPU interpreter
     (default: when no GPU is present)."""
     num_slots, num_value_heads, head_dim, value_dim = state.shape
@@ -157,6 +209,8 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
     if state.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"state dtype must be float32 or bfloat16, got {state.dtype}")
     vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)  # [N, HV, 4, K]: one TMA copy per CTA
+    beta = beta.astype(jnp.float32)
+    scalars = jnp.stack([beta, beta * jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)], axis=-1)
     interpret = not on_gpu() if interpret is None else interpret
     transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
     pairs = num_seqs * num_value_heads
@@ -174,9 +228,11 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
         grid=grid, grid_names=names,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state.dtype, transforms=transforms),
-                       plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages)],
+                       plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages),
+                       *([plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM)),
+                          plgpu.SMEM((ROWS, DIM), jnp.float32)] if state.dtype == jnp.bfloat16 else [])],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), beta.astype(jnp.float32), vecs, pool)
+    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), scalars, vecs, pool)
     return o, jax.freeze(pool)
 
 
