@@ -37,8 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels.impl import layer_stacks, on_gpu
-from pallas_kernels.kda.reference import gated_rms_norm, kda_gate, l2_normalize, split_mixed_qkv
+from pallas_kernels.impl import on_gpu
+from pallas_kernels.kda.recurrent import kda_update_inputs_pallas
+from pallas_kernels.kda.reference import gated_rms_norm
 from pallas_kernels.mgpu_smem import wgmma_operand_transforms
 
 DIM = 128  # K = V: the kernel's head size
@@ -191,7 +192,6 @@ def smem_bytes(state_dtype, stages: int = 1) -> int:
     return stages * (DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8) + wgmma
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
 def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Array, q: jax.Array, k: jax.Array,
                           g: jax.Array, v: jax.Array, beta: jax.Array, *, ctas: int | None = None,
                           interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
@@ -199,18 +199,25 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
 
     state ``[S, HV, K, V]`` (fp32 or bf16), slots / out_slots int32 ``[N]`` (the write is skipped where
     ``out_slots < 0``), q (already scaled), k, g (the decay factor ``exp(gate)``) ``[N, HV, K]``, v ``[N, HV, V]``,
-    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). A bf16 pool takes its column sums by ``wgmma``. ``ctas``: None, one CTA per (sequence, value head);
-    else that many CTAs, each pipelining a run of pairs over two stages. ``interpret``: the Mosaic-GPU interpreter
-    (default: when no GPU is present)."""
+    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). A bf16 pool takes its column sums by ``wgmma``. ``ctas``:
+    None, one CTA per (sequence, value head); else that many CTAs, each pipelining a run of pairs over two stages.
+    ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+    q, k, beta = (x.astype(jnp.float32) for x in (q, k, beta))
+    vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)
+    scalars = jnp.stack([beta, beta * jnp.sum(q * k, axis=-1)], axis=-1)
+    return _state_update(state, slots, out_slots, vecs, scalars, ctas=ctas, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
+def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
+    """:func:`kda_state_update_mgpu` from ``vecs [N, HV, 4, K]`` (q, k, g, v: one TMA copy per CTA) and
+    ``scalars [N, HV, 2]`` (beta, beta (q . k))."""
     num_slots, num_value_heads, head_dim, value_dim = state.shape
     num_seqs = slots.shape[0]
     if head_dim != DIM or value_dim != DIM:
         raise ValueError(f"kda_state_update_mgpu needs K = V = {DIM}, got K={head_dim}, V={value_dim}")
     if state.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"state dtype must be float32 or bfloat16, got {state.dtype}")
-    vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)  # [N, HV, 4, K]: one TMA copy per CTA
-    beta = beta.astype(jnp.float32)
-    scalars = jnp.stack([beta, beta * jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)], axis=-1)
     interpret = not on_gpu() if interpret is None else interpret
     transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
     pairs = num_seqs * num_value_heads
@@ -241,29 +248,21 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
                              eps: float = 1e-5, layer: int | None = None, ctas: int | None = None,
                              interpret: bool | None = None):
     """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
-    arguments and returns; ``out_slots [N, 1]``): conv, norms and gate as XLA fusions around
-    :func:`kda_state_update_mgpu` (``ctas`` as there). ``layer`` as in
-    :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
-    num_seqs, num_tokens, channels = mixed_qkv.shape
-    if num_tokens != 1:
-        raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {num_tokens}")
-    (conv_weight, A_log, dt_bias, o_norm_weight), layer = layer_stacks(layer, conv_weight, A_log, dt_bias,
-                                                                        o_norm_weight)
-    conv_weight, A_log, dt_bias, o_norm_weight = (x[layer] for x in (conv_weight, A_log, dt_bias, o_norm_weight))
-    _, num_value_heads, head_dim, value_dim = state.shape
-    width = conv_weight.shape[1]
-    num_heads = (channels - num_value_heads * value_dim) // (2 * head_dim)
-    window = jnp.concatenate([conv_state[slots].astype(jnp.float32), mixed_qkv.astype(jnp.float32)], axis=1)
-    conv = sum(conv_weight[:, j].astype(jnp.float32) * window[:, j] for j in range(width))  # [N, C]
-    q, k, v = split_mixed_qkv(jax.nn.silu(conv), num_heads, head_dim, num_value_heads, value_dim)
-    group = num_value_heads // num_heads
-    q = jnp.repeat(l2_normalize(q), group, axis=1) * (head_dim**-0.5 if scale is None else scale)
-    k = jnp.repeat(l2_normalize(k), group, axis=1)
-    g = jnp.exp(kda_gate(g_raw.reshape(num_seqs, num_value_heads, head_dim), A_log, dt_bias, lower_bound))
-    beta = jax.nn.sigmoid(beta_logits[:, 0].astype(jnp.float32))
+    arguments and returns; ``out_slots [N, 1]``) in three launches: the conv-state shift, conv, norms and gate
+    (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`, a Triton kernel writing the conv rows in place),
+    the state update here (``ctas`` as in :func:`kda_state_update_mgpu`), and the gated RMSNorm (XLA). ``layer``
+    as in :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
+    if mixed_qkv.shape[1] != 1:
+        raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {mixed_qkv.shape[1]}")
+    num_seqs = mixed_qkv.shape[0]
+    num_value_heads = state.shape[1]
+    if state.shape[-2:] != (DIM, DIM):
+        raise ValueError(f"fused_recurrent_kda_mgpu needs K = V = {DIM}, got {state.shape[-2:]}")
     dest = out_slots[:, 0]
-    o, state = kda_state_update_mgpu(state, slots, dest, q, k, g, v, beta, ctas=ctas, interpret=interpret)
-    y = gated_rms_norm(o, gate_logits.reshape(o.shape), o_norm_weight, eps).reshape(num_seqs, 1, -1)
-    conv_state = conv_state.at[jnp.where(dest < 0, conv_state.shape[0], dest)].set(
-        window[:, 1:].astype(conv_state.dtype), mode="drop")
+    vecs, scalars, conv_state = kda_update_inputs_pallas(
+        mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, slots, dest,
+        lower_bound=lower_bound, scale=scale, layer=layer)
+    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, interpret=interpret)
+    norm_weight = o_norm_weight if layer is None else o_norm_weight[layer]
+    y = gated_rms_norm(o, gate_logits.reshape(o.shape), norm_weight, eps).reshape(num_seqs, 1, -1)
     return y.astype(mixed_qkv.dtype), conv_state, state

@@ -9,6 +9,7 @@ RMSNorm of the output. Semantics: :func:`pallas_kernels.kda.reference.fused_recu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,48 +31,74 @@ def _l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ConvChannels:
+    """One program's view of its sequence's conv channels: the cached pre-conv rows at ``slot`` and the new
+    tokens' inputs (``num_tokens``), the per-layer taps, and the pool rows it writes at ``out_slots``."""
+
+    mixed_ref: object  # [N, Tq, C]
+    conv_w_ref: object  # [L, C, W]
+    conv_state_in_ref: object  # [S, W-1, C]
+    conv_state_ref: object  # the same pool, written
+    seq: object
+    slot: object
+    out_slots: list
+    layer: int
+    num_tokens: int
+
+    def window(self, offset, size):
+        """The W-1 cached pre-conv inputs then the Tq new ones, each fp32 ``[size]``, and the W taps."""
+        width = self.conv_w_ref.shape[-1]
+        rows = [self.conv_state_in_ref[self.slot, j, pl.ds(offset, size)].astype(jnp.float32)
+                for j in range(width - 1)]
+        rows += [self.mixed_ref[self.seq, t, pl.ds(offset, size)].astype(jnp.float32) for t in range(self.num_tokens)]
+        taps = [self.conv_w_ref[self.layer, pl.ds(offset, size), j].astype(jnp.float32) for j in range(width)]
+        return rows, taps
+
+    def write(self, writes) -> None:
+        """Each token's next conv rows of the channels in ``writes`` [(offset, rows)] into its output slot."""
+        width = self.conv_w_ref.shape[-1]
+        for t in range(self.num_tokens):
+            @pl.when(self.out_slots[t] >= 0)
+            def _():
+                for offset, rows in writes:
+                    for j in range(width - 1):
+                        self.conv_state_ref[self.out_slots[t], j, pl.ds(offset, rows[0].shape[0])] = (
+                            rows[t + 1 + j].astype(self.conv_state_ref.dtype))
+
+
+def _conv_silu(rows, taps, t):
+    """Causal conv of token t's window, then SiLU: fp32 ``[size]``."""
+    c = sum(taps[j] * rows[t + j] for j in range(len(taps)))
+    return c * jax.nn.sigmoid(c)
+
+
+def _decay(g_ref, a_log_ref, dt_bias_ref, seq, t, hv, layer, lower_bound, head_dim):
+    """``exp(gate)`` of value head ``hv`` at token t: fp32 ``[K]``."""
+    decay_scale = jnp.exp(a_log_ref[layer, hv].astype(jnp.float32))
+    z = g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias_ref[layer, hv, :].astype(jnp.float32)
+    return jnp.exp(gate_from_logits(z, decay_scale, lower_bound))
+
+
 def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
                       state_in_ref, slots_ref, out_slots_ref, gate_ref, norm_w_ref, y_ref, conv_state_ref, state_ref,
-                      *, num_heads, group, width, num_tokens, scale, lower_bound, eps, use_barrier, block_v,
-                      layer):
+                      *, num_heads, group, num_tokens, scale, lower_bound, eps, use_barrier, block_v, layer):
     seq, head = pl.program_id(0), pl.program_id(1)
     head_dim, value_dim = state_ref.shape[-2:]
     slot = slots_ref[seq]
     out_slots = [out_slots_ref[seq, t] for t in range(num_tokens)]
-
-    def conv_inputs(offset, size):
-        """The W-1 cached pre-conv inputs then the Tq new ones, each fp32 ``[size]``, and the W taps."""
-        rows = [conv_state_in_ref[slot, j, pl.ds(offset, size)].astype(jnp.float32) for j in range(width - 1)]
-        rows += [mixed_ref[seq, t, pl.ds(offset, size)].astype(jnp.float32) for t in range(num_tokens)]
-        taps = [conv_w_ref[layer, pl.ds(offset, size), j].astype(jnp.float32) for j in range(width)]
-        return rows, taps
-
-    def conv_silu(rows, taps, t):
-        c = sum(taps[j] * rows[t + j] for j in range(width))
-        return c * jax.nn.sigmoid(c)
-
-    def write_conv_rows(writes):
-        """Each token's next conv rows of the channels in ``writes`` [(offset, rows)] into its output slot."""
-        for t in range(num_tokens):
-            @pl.when(out_slots[t] >= 0)
-            def _():
-                for offset, rows in writes:
-                    for j in range(width - 1):
-                        conv_state_ref[out_slots[t], j, pl.ds(offset, rows[0].shape[0])] = (
-                            rows[t + 1 + j].astype(conv_state_ref.dtype))
-
+    conv = _ConvChannels(mixed_ref, conv_w_ref, conv_state_in_ref, conv_state_ref, seq, slot, out_slots, layer,
+                         num_tokens)
     qk_width = num_heads * head_dim
-    q_rows, q_taps = conv_inputs(head * head_dim, head_dim)
-    k_rows, k_taps = conv_inputs(qk_width + head * head_dim, head_dim)
-    qs = [_l2norm(conv_silu(q_rows, q_taps, t)) * scale for t in range(num_tokens)]
-    ks = [_l2norm(conv_silu(k_rows, k_taps, t)) for t in range(num_tokens)]
+    q_rows, q_taps = conv.window(head * head_dim, head_dim)
+    k_rows, k_taps = conv.window(qk_width + head * head_dim, head_dim)
+    qs = [_l2norm(_conv_silu(q_rows, q_taps, t)) * scale for t in range(num_tokens)]
+    ks = [_l2norm(_conv_silu(k_rows, k_taps, t)) for t in range(num_tokens)]
     conv_writes = [(head * head_dim, q_rows), (qk_width + head * head_dim, k_rows)]
     for i in range(group):
         hv = head * group + i
-        decay_scale = jnp.exp(a_log_ref[layer, hv].astype(jnp.float32))
-        dt_bias = dt_bias_ref[layer, hv, :].astype(jnp.float32)
-        gs = [jnp.exp(gate_from_logits(g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias,
-                                       decay_scale, lower_bound))[:, None] for t in range(num_tokens)]
+        gs = [_decay(g_ref, a_log_ref, dt_bias_ref, seq, t, hv, layer, lower_bound, head_dim)[:, None]
+              for t in range(num_tokens)]
         betas = [jax.nn.sigmoid(beta_ref[seq, t, hv].astype(jnp.float32)) for t in range(num_tokens)]
         num_tiles = value_dim // block_v
         tile_rows = lax.broadcasted_iota(jnp.int32, (num_tiles, block_v), 0)
@@ -81,14 +108,14 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
             through every token; ``outs[t]`` ``[num_tiles, block_v]`` collects token t's output row by row."""
             v0 = i * block_v if isinstance(i, int) else pl.multiple_of(i * block_v, block_v)
             v_offset = 2 * qk_width + hv * value_dim + v0
-            v_rows, v_taps = conv_inputs(v_offset, block_v)
+            v_rows, v_taps = conv.window(v_offset, block_v)
             cols = pl.ds(v0, block_v)
             state = state_in_ref[slot, hv, :, cols].astype(jnp.float32)  # [K, block_v]
             new_outs = []
             for t in range(num_tokens):
                 k = ks[t][:, None]
                 state = state * gs[t]
-                error = conv_silu(v_rows, v_taps, t) - jnp.sum(state * k, axis=0)
+                error = _conv_silu(v_rows, v_taps, t) - jnp.sum(state * k, axis=0)
                 state = state + betas[t] * k * error[None, :]
                 o = jnp.sum(state * qs[t][:, None], axis=0)
                 new_outs.append(jnp.where(tile_rows == i, o[None, :], outs[t]))
@@ -101,7 +128,7 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
             else:  # this tile's conv channels are read by this iteration only: shift them now
                 if use_barrier:
                     pltriton.debug_barrier()
-                write_conv_rows([(v_offset, v_rows)])
+                conv.write([(v_offset, v_rows)])
             return tuple(new_outs)
 
         init = tuple(jnp.zeros((num_tiles, block_v), jnp.float32) for _ in range(num_tokens))
@@ -115,7 +142,7 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
 
     if use_barrier:  # every thread has read the old conv rows before any is overwritten (in-place decode)
         pltriton.debug_barrier()
-    write_conv_rows(conv_writes)
+    conv.write(conv_writes)
 
 
 def recurrent_smem_bytes(num_stages: int, block_v: int, value_dim: int, head_dim: int, width: int, num_tokens: int,
@@ -159,8 +186,7 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         "kda_fused_recurrent", cfg.sliced_stages, estimate, range(cfg.sliced_stages - 1, 0, -1),
         what=f"K={head_dim}, block_v={block_v}")
     kernel = functools.partial(
-        _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, width=width,
-        num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
+        _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
         eps=eps, use_barrier=not interpret, block_v=block_v, layer=layer)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
               dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), state, slots.astype(jnp.int32),
@@ -175,6 +201,77 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         compiler_params=pltriton.CompilerParams(
             num_warps=cfg.fused_warps if num_tokens == 1 else cfg.verify_warps, num_stages=num_stages),
         interpret=interpret, name="kda_fused_recurrent",
+    )(*inputs)
+
+
+def _update_inputs_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+                          slots_ref, out_slots_ref, vecs_ref, scalars_ref, conv_state_ref, *, num_heads, group, scale,
+                          lower_bound, use_barrier, layer):
+    """Program (sequence, q/k head): :func:`_recurrent_kernel`'s work before the state update, for one token, written
+    out per value head (``vecs [N, HV, 4, K]``: q, k, exp(gate), v; ``scalars [N, HV, 2]``: beta, beta (q . k)), and
+    the head's channels of the next conv rows written in place."""
+    seq, head = pl.program_id(0), pl.program_id(1)
+    head_dim = vecs_ref.shape[-1]
+    conv = _ConvChannels(mixed_ref, conv_w_ref, conv_state_in_ref, conv_state_ref, seq, slots_ref[seq],
+                         [out_slots_ref[seq]], layer, 1)
+    qk_width = num_heads * head_dim
+    q_rows, q_taps = conv.window(head * head_dim, head_dim)
+    k_rows, k_taps = conv.window(qk_width + head * head_dim, head_dim)
+    q = _l2norm(_conv_silu(q_rows, q_taps, 0)) * scale
+    k = _l2norm(_conv_silu(k_rows, k_taps, 0))
+    qk = jnp.sum(q * k)
+    writes = [(head * head_dim, q_rows), (qk_width + head * head_dim, k_rows)]
+    first = lax.broadcasted_iota(jnp.int32, (2,), 0) == 0
+    for i in range(group):
+        hv = head * group + i
+        v_offset = 2 * qk_width + hv * head_dim
+        v_rows, v_taps = conv.window(v_offset, head_dim)
+        vecs_ref[seq, hv, 0, :] = q
+        vecs_ref[seq, hv, 1, :] = k
+        vecs_ref[seq, hv, 2, :] = _decay(g_ref, a_log_ref, dt_bias_ref, seq, 0, hv, layer, lower_bound, head_dim)
+        vecs_ref[seq, hv, 3, :] = _conv_silu(v_rows, v_taps, 0)
+        beta = jax.nn.sigmoid(beta_ref[seq, 0, hv].astype(jnp.float32))
+        scalars_ref[seq, hv, :] = jnp.where(first, beta, beta * qk)
+        writes.append((v_offset, v_rows))
+    if use_barrier:  # every thread has read the old conv rows before any is overwritten (in place)
+        pltriton.debug_barrier()
+    conv.write(writes)
+
+
+def kda_update_inputs_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, slots, out_slots,
+                             *, lower_bound=None, scale=None, layer: int | None = None,
+                             config: KDADecodeConfig | None = None):
+    """The inputs of a separate state update (:mod:`pallas_kernels.kda.decode_mgpu`) for one decode token per
+    sequence: conv-state shift (in place), causal conv + SiLU, q / k L2 norm, gate and beta, as
+    :func:`fused_recurrent_kda_pallas` forms them (K = V; arguments as there, ``out_slots [N]``).
+
+    Returns ``(vecs [N, HV, 4, K] fp32: q (scaled), k, exp(gate), v; scalars [N, HV, 2] fp32: beta, beta (q . k);
+    conv_state)``."""
+    num_seqs, num_tokens, channels = mixed_qkv.shape
+    num_value_heads = beta_logits.shape[-1]
+    head_dim = g_raw.shape[-1] // num_value_heads
+    num_heads = (channels - num_value_heads * head_dim) // (2 * head_dim)
+    if num_tokens != 1:
+        raise ValueError(f"kda_update_inputs_pallas takes one token per sequence, got {num_tokens}")
+    (conv_weight, A_log, dt_bias), layer = layer_stacks(layer, conv_weight, A_log, dt_bias)
+    interpret = interpret_mode()
+    kernel = functools.partial(
+        _update_inputs_kernel, num_heads=num_heads, group=num_value_heads // num_heads,
+        scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound, use_barrier=not interpret,
+        layer=layer)
+    inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
+              dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), slots.astype(jnp.int32),
+              out_slots.astype(jnp.int32))
+    out_shape = (jax.ShapeDtypeStruct((num_seqs, num_value_heads, 4, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((num_seqs, num_value_heads, 2), jnp.float32),
+                 jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype))
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(num_seqs, num_heads),
+        in_specs=[_full(x.shape) for x in inputs], out_specs=tuple(_full(s.shape) for s in out_shape),
+        input_output_aliases={2: 2},
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.resolve(KDADecodeConfig, config).epilogue_warps,
+                                                num_stages=1),
+        interpret=interpret, name="kda_decode_update_inputs",
     )(*inputs)
 
 

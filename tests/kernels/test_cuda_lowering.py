@@ -56,6 +56,12 @@ def kda_decode_fused(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, sl
                                                     lower_bound=-5.0, layer=2)
 
 
+def kda_decode_update_inputs(mixed, conv_w, conv, g_raw, beta, a_log, dt_bias, state, slots, gate, o_norm):
+    """The Triton half of the Mosaic-GPU decode: conv, norms and gate ahead of its state update."""
+    return kda_recurrent.kda_update_inputs_pallas(mixed[:, None], conv_w, conv, g_raw[:, None], beta[:, None], a_log,
+                                                  dt_bias, slots, slots, lower_bound=-5.0, layer=2)
+
+
 DECODE_TILES = GroupedGemmConfig(block_m=16, block_n=64, block_k=128, weights_lhs=True, num_stages=4)
 """The decode tiling of tile_config for the bf16 and checkpoint / pair-halves orders (x as the register operand)."""
 
@@ -141,6 +147,7 @@ CASES = {
     "kda_prefill_fp32": (functools.partial(kda_prefill, -5.0), [S(a.shape, jnp.float32) if a.dtype == jnp.bfloat16
                                                                 else a for a in KDA_PREFILL_ARGS]),
     "kda_decode_fused": (kda_decode_fused, KDA_DECODE_ARGS),
+    "kda_decode_update_inputs": (kda_decode_update_inputs, KDA_DECODE_ARGS),
     "grouped_gemm_per_row": (grouped_gemm, [S((1, 2304), jnp.bfloat16), S((768, 2304, 1024), jnp.bfloat16),
                                             S((768, 2304, 1024), jnp.bfloat16), S((8,), jnp.int32)]),
     "grouped_gemm_per_row_shared": (grouped_gemm_shared, [

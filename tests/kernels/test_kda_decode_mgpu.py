@@ -85,15 +85,19 @@ def decode_inputs(seed, heads=1, value_heads=2, width=4, slots=7, seqs=3):
                 o_norm_weight=jnp.asarray(rng.uniform(0.5, 1.5, DIM), jnp.float32))
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_decode_matches_fused_reference(lower_bound):
+@pytest.mark.parametrize("lower_bound,state_dtype,ctas", [(-5.0, jnp.float32, None), (None, jnp.float32, None),
+                                                           (-5.0, jnp.bfloat16, None), (None, jnp.bfloat16, 2)])
+def test_decode_matches_fused_reference(lower_bound, state_dtype, ctas):
     """Conv shift, conv + SiLU, L2 norms, GVA (one q/k head for two value heads), both gates, in place, a moved
-    and a skipped write: y and both pools equal the fused reference's."""
+    and a skipped write: y and both pools equal the fused reference's, with fp32 and bf16 state pools, one CTA per
+    pair or pipelined runs of pairs."""
     x = decode_inputs(1)
-    ours = ready(fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound))
+    x["state"] = x["state"].astype(state_dtype)
+    ours = ready(fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound, ctas=ctas))
     want = fused_recurrent_kda_reference(**x, lower_bound=lower_bound)
     for name, a, b in zip(("y", "conv_state", "state"), ours, want):
-        assert_close(a, b, FP32_TOL, name)
+        tol = BF16_TOL if name == "state" and state_dtype == jnp.bfloat16 else FP32_TOL
+        assert_close(a.astype(jnp.float32), b.astype(jnp.float32), tol, name)
 
 
 def test_decode_reads_layer_row_of_stacked_weights():
