@@ -93,7 +93,9 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
         plgpu.wgmma(acc_ref, a_smem, s_smem)
         return acc_ref[...]
 
-    sums_smem[...] = pl.run_scoped(product, plgpu.ACC((ROWS, DIM), jnp.float32))
+    sums = pl.run_scoped(product, plgpu.ACC((ROWS, DIM), jnp.float32))
+    plgpu.commit_smem()  # every warp's wgmma has read the A tile that the product overwrites
+    sums_smem[...] = sums
     plgpu.commit_smem()
     error = vec_smem[3, :] - (sums_smem[0, :] + sums_smem[1, :])
     vec_smem[4, :] = sums_smem[2, :] + sums_smem[3, :] + beta_qk * error
@@ -109,9 +111,11 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
 
 def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head) -> None:
     """The step of pair (seq, head) in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's
-    A tile and product buffers) is given, else by reductions; ``scalars_ref [N, HV, 2]``: beta and beta (q . k)."""
+    A tile and product, one buffer: the product is written once the ``wgmma`` has read the tile) is given, else by
+    reductions; ``scalars_ref [N, HV, 2]``: beta and beta (q . k)."""
     if wgmma_smem:
-        _update_bf16_in_smem(s_smem, vec_smem, *wgmma_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
+        a_smem, sums_smem = wgmma_smem[0]
+        _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
     else:
         _update_in_smem(s_smem, vec_smem, scalars_ref[seq, head, 0])
 
@@ -187,8 +191,9 @@ def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref
 
 def smem_bytes(state_dtype, stages: int = 1) -> int:
     """Shared memory of one CTA: per stage the ``[K, V]`` state, five fp32 vectors (q, k, g, v, o) and two
-    barriers; with a bf16 state also the column sums' A tile (bf16) and product (fp32), ``[64, 128]`` each."""
-    wgmma = ROWS * DIM * (2 + 4) if jnp.dtype(state_dtype) == jnp.bfloat16 else 0
+    barriers; with a bf16 state also the column sums' A tile (bf16) and product (fp32), ``[64, 128]`` each, in one
+    buffer."""
+    wgmma = ROWS * DIM * 4 if jnp.dtype(state_dtype) == jnp.bfloat16 else 0
     return stages * (DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8) + wgmma
 
 
@@ -236,8 +241,8 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state.dtype, transforms=transforms),
                        plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages),
-                       *([plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM)),
-                          plgpu.SMEM((ROWS, DIM), jnp.float32)] if state.dtype == jnp.bfloat16 else [])],
+                       *([plgpu.RefUnion(plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM)),
+                                         plgpu.SMEM((ROWS, DIM), jnp.float32))] if state.dtype == jnp.bfloat16 else [])],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), scalars, vecs, pool)
     return o, jax.freeze(pool)
