@@ -47,15 +47,13 @@ HALF = DIM // 2
 ROWS = 64  # wgmma's M: the A tile of the bf16 column sums
 
 
-def _update_in_smem(s_smem, vec_smem, beta) -> None:
-    """The delta-rule step of one (sequence, value head) in shared memory: ``s_smem [K, V]`` (state dtype) holds S
-    and receives S'; ``vec_smem [5, K]`` fp32 holds q, k, g, v and receives o in row 4."""
+def _update_in_smem_four_sums(s_smem, vec_smem, beta) -> None:
+    """(Experiment) the earlier fp32 form: four cross-warp column sums, two per half."""
 
     def rows(vec: int, half: int):  # a [K/2] slice of q (0), k (1) or g (2) as a per-row factor
         return vec_smem[vec, pl.ds(half * HALF, HALF)]
 
-    def scaled(half: int):  # g * S over one half of the key rows, fp32 [K/2, V]; formed twice per half (the error's
-        # pass and the update's) rather than kept: re-reading shared memory is cheaper than 128 more registers
+    def scaled(half: int):
         s = s_smem[pl.ds(half * HALF, HALF), :].astype(jnp.float32)
         return s * jax.lax.broadcast_in_dim(rows(2, half), s.shape, [0])
 
@@ -70,6 +68,39 @@ def _update_in_smem(s_smem, vec_smem, beta) -> None:
         s_smem[pl.ds(h * HALF, HALF), :] = s_new.astype(s_smem.dtype)
     vec_smem[4, :] = o
     plgpu.commit_smem()
+
+
+def _column_sum(s_smem, vec_smem, vec: int):
+    """``(x g)^T S`` for x = q (``vec`` 0) or k (1), fp32 ``[V]``: the two ``[K/2, V]`` halves' products added
+    before one cross-warp reduction (64 registers of state per thread at a time)."""
+    total = None
+    for h in range(2):
+        rows = pl.ds(h * HALF, HALF)
+        s = s_smem[rows, :].astype(jnp.float32)
+        term = s * jax.lax.broadcast_in_dim(vec_smem[vec, rows] * vec_smem[2, rows], s.shape, [0])
+        total = term if total is None else total + term
+    return total.sum(axis=0)
+
+
+def _rank_one_update(s_smem, vec_smem, beta, error) -> None:
+    """``S' = g S + beta k e^T`` in place, half of the key rows at a time."""
+    for h in range(2):
+        rows = pl.ds(h * HALF, HALF)
+        s = s_smem[rows, :].astype(jnp.float32)
+        s_new = (s * jax.lax.broadcast_in_dim(vec_smem[2, rows], s.shape, [0])
+                 + jax.lax.broadcast_in_dim(vec_smem[1, rows] * beta, s.shape, [0])
+                 * jax.lax.broadcast_in_dim(error, s.shape, [1]))
+        s_smem[rows, :] = s_new.astype(s_smem.dtype)
+    plgpu.commit_smem()
+
+
+def _update_in_smem(s_smem, vec_smem, beta, beta_qk) -> None:
+    """The delta-rule step of one (sequence, value head) in shared memory: ``s_smem [K, V]`` (state dtype) holds S
+    and receives S'; ``vec_smem [5, K]`` fp32 holds q, k, g, v and receives o in row 4; ``beta_qk = beta (q . k)``.
+    Two cross-warp column sums, ``(k g)^T S`` and ``(q g)^T S`` (module docstring), then the rank-one update."""
+    error = vec_smem[3, :] - _column_sum(s_smem, vec_smem, 1)
+    vec_smem[4, :] = _column_sum(s_smem, vec_smem, 0) + beta_qk * error
+    _rank_one_update(s_smem, vec_smem, beta, error)
 
 
 def _hi_lo(x):
@@ -99,25 +130,20 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
     plgpu.commit_smem()
     error = vec_smem[3, :] - (sums_smem[0, :] + sums_smem[1, :])
     vec_smem[4, :] = sums_smem[2, :] + sums_smem[3, :] + beta_qk * error
-    for h in range(2):
-        rows = pl.ds(h * HALF, HALF)
-        s = s_smem[rows, :].astype(jnp.float32)
-        s_new = (s * jax.lax.broadcast_in_dim(vec_smem[2, rows], s.shape, [0])
-                 + jax.lax.broadcast_in_dim(vec_smem[1, rows] * beta, s.shape, [0])
-                 * jax.lax.broadcast_in_dim(error, s.shape, [1]))
-        s_smem[rows, :] = s_new.astype(s_smem.dtype)
-    plgpu.commit_smem()
+    _rank_one_update(s_smem, vec_smem, beta, error)
 
 
-def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head) -> None:
+def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head, four_sums=False) -> None:
     """The step of pair (seq, head) in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's
     A tile and product, one buffer: the product is written once the ``wgmma`` has read the tile) is given, else by
     reductions; ``scalars_ref [N, HV, 2]``: beta and beta (q . k)."""
     if wgmma_smem:
         a_smem, sums_smem = wgmma_smem[0]
         _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
+    elif four_sums:
+        _update_in_smem_four_sums(s_smem, vec_smem, scalars_ref[seq, head, 0])
     else:
-        _update_in_smem(s_smem, vec_smem, scalars_ref[seq, head, 0])
+        _update_in_smem(s_smem, vec_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
 
 
 def _load_pair(refs, pair, s_smem, vec_smem, state_barrier, vec_barrier, num_value_heads):
@@ -142,20 +168,20 @@ def _store_pair(refs, o_ref, seq, head, s_smem, vec_smem) -> None:
 
 
 def _one_pair_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar,
-                     *wgmma_smem, num_value_heads):
+                     *wgmma_smem, num_value_heads, four_sums=False):
     """One CTA per (sequence, value head): load, update, store (three CTAs share an SM at fp32)."""
     refs = (slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref)
     pair = jax.lax.axis_index("pair")
     seq, head = _load_pair(refs, pair, s_smem, vec_smem, bar.at[0], bar.at[1], num_value_heads)
     plgpu.barrier_wait(bar.at[1])
     plgpu.barrier_wait(bar.at[0])
-    _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head)
+    _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head, four_sums)
     _store_pair(refs, o_ref, seq, head, s_smem, vec_smem)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar,
-                      *wgmma_smem, num_value_heads, per_cta):
+                      *wgmma_smem, num_value_heads, per_cta, four_sums=False):
     """A run of ``per_cta`` consecutive (sequence, value head) pairs per CTA over two shared-memory stages: pair
     i + 1 loads while pair i updates and pair i - 1 stores."""
     refs = (slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref)
@@ -183,7 +209,7 @@ def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref
         seq, head = pair // num_value_heads, pair % num_value_heads
         plgpu.barrier_wait(bar.at[2 + stage])
         plgpu.barrier_wait(bar.at[stage])
-        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref, seq, head)
+        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref, seq, head, four_sums)
         _store_pair(refs, o_ref, seq, head, s_smem.at[stage], vec_smem.at[stage])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -213,8 +239,8 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
     return _state_update(state, slots, out_slots, vecs, scalars, ctas=ctas, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
-def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
+@functools.partial(jax.jit, static_argnames=("ctas", "interpret", "four_sums"))
+def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret, four_sums=False):
     """:func:`kda_state_update_mgpu` from ``vecs [N, HV, 4, K]`` (q, k, g, v: one TMA copy per CTA) and
     ``scalars [N, HV, 2]`` (beta, beta (q . k))."""
     num_slots, num_value_heads, head_dim, value_dim = state.shape
@@ -227,11 +253,12 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
     transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
     pairs = num_seqs * num_value_heads
     if ctas is None:
-        body = functools.partial(_one_pair_kernel, num_value_heads=num_value_heads)
+        body = functools.partial(_one_pair_kernel, num_value_heads=num_value_heads, four_sums=four_sums)
         grid, names, stages, lead = (pairs,), ("pair",), 1, ()
     else:
         per_cta = -(-pairs // ctas)
-        body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta)
+        body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta,
+                                 four_sums=four_sums)
         grid, names, stages, lead = (-(-pairs // per_cta),), ("cta",), 2, (2,)
     tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages), f"{stages} stage(s)")
     pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
@@ -251,7 +278,7 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
 def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                              out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
                              eps: float = 1e-5, layer: int | None = None, ctas: int | None = None,
-                             interpret: bool | None = None):
+                             interpret: bool | None = None, four_sums: bool = False):
     """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
     arguments and returns; ``out_slots [N, 1]``) in three launches: the conv-state shift, conv, norms and gate
     (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`, a Triton kernel writing the conv rows in place),
@@ -267,7 +294,7 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
     vecs, scalars, conv_state = kda_update_inputs_pallas(
         mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, slots, dest,
         lower_bound=lower_bound, scale=scale, layer=layer)
-    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, interpret=interpret)
+    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, interpret=interpret, four_sums=four_sums)
     norm_weight = o_norm_weight if layer is None else o_norm_weight[layer]
     y = gated_rms_norm(o, gate_logits.reshape(o.shape), norm_weight, eps).reshape(num_seqs, 1, -1)
     return y.astype(mixed_qkv.dtype), conv_state, state
