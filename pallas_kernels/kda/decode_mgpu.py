@@ -8,23 +8,23 @@ state per thread), and bulk-copies it to its output slot. A TMA copy needs no re
 itemsize`` + 3 KB of shared memory (67 KB for fp32), so three CTAs share an SM and one's copies overlap the others'
 arithmetic.
 
-The update is the reference's order (:func:`pallas_kernels.kda.reference.fused_recurrent_kda_reference`)::
+The update is the reference's (:func:`pallas_kernels.kda.reference.fused_recurrent_kda_reference`)::
 
     S1 = g * S                     (g = exp(gate) per key row)
     e  = v - k^T S1                (column sums over K)
     S' = S1 + beta k e^T
     o  = q^T S'
 
-With a bf16 pool the column sums come from one ``wgmma`` instead of cross-warp reductions: since ``k^T S1 = (k g)^T
-S`` and ``o = (q g)^T S + beta (q . k) e``, a 64-row A tile whose rows 0-3 are the bf16 high and low parts of ``k g``
-and ``q g`` (zeros below) against the bf16 state as B gives both sums in fp32, exact but for the products' fp32
-accumulation; the state is then read once more for the update itself. An fp32 pool keeps the reductions (``wgmma``
-would read it as tf32).
+in an order that needs two column sums of the state as it was read, and none of the new one: ``k^T S1 = (k g)^T S``
+and ``o = (q g)^T S + beta (q . k) e``. An fp32 pool forms each as one cross-warp reduction of the two halves'
+products. A bf16 pool takes both from one ``wgmma``: a 64-row A tile whose rows 0-3 are the bf16 high and low parts
+of ``k g`` and ``q g`` (zeros below) against the bf16 state as B, exact but for the fp32 accumulation (``wgmma`` would
+read an fp32 state as tf32). The state is then read once more for the rank-one update.
 
-The conv-state shift, causal conv + SiLU, L2 norms, gate and beta before it, and the gated RMSNorm after it, are
-XLA fusions of the reference's own code (:func:`fused_recurrent_kda_mgpu`). Contract: one token per sequence,
-``K = V = 128``; ``out_slots[n] < 0`` skips the write. ``jax.export`` for CUDA runs Mosaic-GPU's lowering on the
-CPU, so the GPU lowering is tested without a GPU.
+Around it (:func:`fused_recurrent_kda_mgpu`): a Triton kernel does the conv-state shift (in place), causal conv +
+SiLU, L2 norms, gate and beta (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`), and XLA the gated
+RMSNorm. Contract: one token per sequence, ``K = V = 128``; ``out_slots[n] < 0`` skips the write. ``jax.export`` for
+CUDA runs Mosaic-GPU's lowering on the CPU, so the GPU lowering is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
     """:func:`_update_in_smem` for a bf16 ``s_smem``, its two column sums by one ``wgmma`` (module docstring):
     ``a_smem [64, K]`` bf16 takes the A tile, ``sums_smem [64, V]`` fp32 the product; ``beta_qk = beta (q . k)``."""
     q, k, g = (vec_smem[i, :] for i in range(3))
-    row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, DIM), 0)
+    row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, DIM), 0)  # A: row r = part r, the other 60 rows zero
     a = jnp.zeros((ROWS, DIM), jnp.bfloat16)
     for r, part in enumerate(_hi_lo(k * g) + _hi_lo(q * g)):
         a = jnp.where(row == r, jax.lax.broadcast_in_dim(part, (ROWS, DIM), [1]), a)
