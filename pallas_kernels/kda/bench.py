@@ -318,8 +318,8 @@ def num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", 132)
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "four_sums"), donate_argnums=(0, 1))
-def decode_step_mgpu(conv_state, state, *rest, ctas=None, four_sums=False):
+@functools.partial(jax.jit, static_argnames=("ctas",), donate_argnums=(0, 1))
+def decode_step_mgpu(conv_state, state, *rest, ctas=None):
     """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (the state update
     as a Mosaic-GPU kernel, conv and norms in XLA; ``ctas``: its pipelined form over that many CTAs), returning
     what :func:`decode_step` does."""
@@ -328,7 +328,7 @@ def decode_step_mgpu(conv_state, state, *rest, ctas=None, four_sums=False):
     y, conv_state, state = fused_recurrent_kda_mgpu(
         conv_weight=x["conv_weight"], conv_state=conv_state, A_log=x["A_log"], dt_bias=x["dt_bias"], state=state,
         slots=x["slots"], out_slots=x["slots"][:, None], o_norm_weight=x["o_norm_weight"], lower_bound=LOWER_BOUND,
-        ctas=ctas, four_sums=four_sums, **per_token)
+        ctas=ctas, **per_token)
     return y[:, 0], conv_state, state
 
 
@@ -373,10 +373,6 @@ class DecodeCase:
         else:
             variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu),
                         ("ours_mgpu_pipe_s", functools.partial(decode_step_mgpu, ctas=num_sms()))]
-            if self.row["state_dtype"] == "float32":
-                variants += [("ours_mgpu4_s", functools.partial(decode_step_mgpu, four_sums=True)),
-                             ("ours_mgpu4_pipe_s", functools.partial(decode_step_mgpu, ctas=num_sms(),
-                                                                     four_sums=True))]
         if impl == "pallas" and sliced:
             variants += [(f"ours_bv{bv}_s", functools.partial(step, block_v=bv)) for bv in DECODE_BLOCK_V]
             variants += [(f"ours_split{sv}_s", functools.partial(step, split_v=sv)) for sv in DECODE_SPLIT_V]

@@ -47,29 +47,6 @@ HALF = DIM // 2
 ROWS = 64  # wgmma's M: the A tile of the bf16 column sums
 
 
-def _update_in_smem_four_sums(s_smem, vec_smem, beta) -> None:
-    """(Experiment) the earlier fp32 form: four cross-warp column sums, two per half."""
-
-    def rows(vec: int, half: int):  # a [K/2] slice of q (0), k (1) or g (2) as a per-row factor
-        return vec_smem[vec, pl.ds(half * HALF, HALF)]
-
-    def scaled(half: int):
-        s = s_smem[pl.ds(half * HALF, HALF), :].astype(jnp.float32)
-        return s * jax.lax.broadcast_in_dim(rows(2, half), s.shape, [0])
-
-    k_s = sum((scaled(h) * jax.lax.broadcast_in_dim(rows(1, h), (HALF, DIM), [0])).sum(axis=0) for h in range(2))
-    error = vec_smem[3, :] - k_s
-    o = None
-    for h in range(2):
-        s_new = scaled(h) + (jax.lax.broadcast_in_dim(rows(1, h) * beta, (HALF, DIM), [0])
-                             * jax.lax.broadcast_in_dim(error, (HALF, DIM), [1]))
-        part = (s_new * jax.lax.broadcast_in_dim(rows(0, h), s_new.shape, [0])).sum(axis=0)
-        o = part if o is None else o + part
-        s_smem[pl.ds(h * HALF, HALF), :] = s_new.astype(s_smem.dtype)
-    vec_smem[4, :] = o
-    plgpu.commit_smem()
-
-
 def _column_sum(s_smem, vec_smem, vec: int):
     """``(x g)^T S`` for x = q (``vec`` 0) or k (1), fp32 ``[V]``: the two ``[K/2, V]`` halves' products added
     before one cross-warp reduction (64 registers of state per thread at a time)."""
@@ -133,15 +110,13 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
     _rank_one_update(s_smem, vec_smem, beta, error)
 
 
-def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head, four_sums=False) -> None:
+def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head) -> None:
     """The step of pair (seq, head) in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's
     A tile and product, one buffer: the product is written once the ``wgmma`` has read the tile) is given, else by
     reductions; ``scalars_ref [N, HV, 2]``: beta and beta (q . k)."""
     if wgmma_smem:
         a_smem, sums_smem = wgmma_smem[0]
         _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
-    elif four_sums:
-        _update_in_smem_four_sums(s_smem, vec_smem, scalars_ref[seq, head, 0])
     else:
         _update_in_smem(s_smem, vec_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
 
@@ -168,20 +143,20 @@ def _store_pair(refs, o_ref, seq, head, s_smem, vec_smem) -> None:
 
 
 def _one_pair_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar,
-                     *wgmma_smem, num_value_heads, four_sums=False):
+                     *wgmma_smem, num_value_heads):
     """One CTA per (sequence, value head): load, update, store (three CTAs share an SM at fp32)."""
     refs = (slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref)
     pair = jax.lax.axis_index("pair")
     seq, head = _load_pair(refs, pair, s_smem, vec_smem, bar.at[0], bar.at[1], num_value_heads)
     plgpu.barrier_wait(bar.at[1])
     plgpu.barrier_wait(bar.at[0])
-    _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head, four_sums)
+    _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head)
     _store_pair(refs, o_ref, seq, head, s_smem, vec_smem)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref, o_ref, s_smem, vec_smem, bar,
-                      *wgmma_smem, num_value_heads, per_cta, four_sums=False):
+                      *wgmma_smem, num_value_heads, per_cta):
     """A run of ``per_cta`` consecutive (sequence, value head) pairs per CTA over two shared-memory stages: pair
     i + 1 loads while pair i updates and pair i - 1 stores."""
     refs = (slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref)
@@ -209,7 +184,7 @@ def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref
         seq, head = pair // num_value_heads, pair % num_value_heads
         plgpu.barrier_wait(bar.at[2 + stage])
         plgpu.barrier_wait(bar.at[stage])
-        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref, seq, head, four_sums)
+        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref, seq, head)
         _store_pair(refs, o_ref, seq, head, s_smem.at[stage], vec_smem.at[stage])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -239,8 +214,8 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
     return _state_update(state, slots, out_slots, vecs, scalars, ctas=ctas, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "interpret", "four_sums"))
-def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret, four_sums=False):
+@functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
+def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
     """:func:`kda_state_update_mgpu` from ``vecs [N, HV, 4, K]`` (q, k, g, v: one TMA copy per CTA) and
     ``scalars [N, HV, 2]`` (beta, beta (q . k))."""
     num_slots, num_value_heads, head_dim, value_dim = state.shape
@@ -253,12 +228,11 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret, fo
     transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
     pairs = num_seqs * num_value_heads
     if ctas is None:
-        body = functools.partial(_one_pair_kernel, num_value_heads=num_value_heads, four_sums=four_sums)
+        body = functools.partial(_one_pair_kernel, num_value_heads=num_value_heads)
         grid, names, stages, lead = (pairs,), ("pair",), 1, ()
     else:
         per_cta = -(-pairs // ctas)
-        body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta,
-                                 four_sums=four_sums)
+        body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta)
         grid, names, stages, lead = (-(-pairs // per_cta),), ("cta",), 2, (2,)
     tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages), f"{stages} stage(s)")
     pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
@@ -278,7 +252,7 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret, fo
 def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                              out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
                              eps: float = 1e-5, layer: int | None = None, ctas: int | None = None,
-                             interpret: bool | None = None, four_sums: bool = False):
+                             interpret: bool | None = None):
     """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
     arguments and returns; ``out_slots [N, 1]``) in three launches: the conv-state shift, conv, norms and gate
     (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`, a Triton kernel writing the conv rows in place),
@@ -294,7 +268,7 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
     vecs, scalars, conv_state = kda_update_inputs_pallas(
         mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, slots, dest,
         lower_bound=lower_bound, scale=scale, layer=layer)
-    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, interpret=interpret, four_sums=four_sums)
+    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, interpret=interpret)
     norm_weight = o_norm_weight if layer is None else o_norm_weight[layer]
     y = gated_rms_norm(o, gate_logits.reshape(o.shape), norm_weight, eps).reshape(num_seqs, 1, -1)
     return y.astype(mixed_qkv.dtype), conv_state, state
