@@ -235,6 +235,7 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
         body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta)
         grid, names, stages, lead = (-(-pairs // per_cta),), ("cta",), 2, (2,)
     tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages), f"{stages} stage(s)")
+    a_tile = plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM))
     pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
     o = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((num_seqs, num_value_heads, DIM), jnp.float32),
@@ -242,8 +243,8 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state.dtype, transforms=transforms),
                        plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages),
-                       *([plgpu.RefUnion(plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM)),
-                                         plgpu.SMEM((ROWS, DIM), jnp.float32))] if state.dtype == jnp.bfloat16 else [])],
+                       *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))]
+                         if state.dtype == jnp.bfloat16 else [])],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), scalars, vecs, pool)
     return o, jax.freeze(pool)

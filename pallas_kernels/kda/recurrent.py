@@ -76,7 +76,8 @@ def _conv_silu(rows, taps, t):
 def _decay(g_ref, a_log_ref, dt_bias_ref, seq, t, hv, layer, lower_bound, head_dim):
     """``exp(gate)`` of value head ``hv`` at token t: fp32 ``[K]``."""
     decay_scale = jnp.exp(a_log_ref[layer, hv].astype(jnp.float32))
-    z = g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32) + dt_bias_ref[layer, hv, :].astype(jnp.float32)
+    z = (g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32)
+         + dt_bias_ref[layer, hv, :].astype(jnp.float32))
     return jnp.exp(gate_from_logits(z, decay_scale, lower_bound))
 
 
@@ -186,7 +187,8 @@ def fused_recurrent_kda_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_l
         "kda_fused_recurrent", cfg.sliced_stages, estimate, range(cfg.sliced_stages - 1, 0, -1),
         what=f"K={head_dim}, block_v={block_v}")
     kernel = functools.partial(
-        _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, num_tokens=num_tokens, scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
+        _recurrent_kernel, num_heads=num_heads, group=num_value_heads // num_heads, num_tokens=num_tokens,
+        scale=head_dim**-0.5 if scale is None else float(scale), lower_bound=lower_bound,
         eps=eps, use_barrier=not interpret, block_v=block_v, layer=layer)
     inputs = (mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log.astype(jnp.float32),
               dt_bias.astype(jnp.float32).reshape(-1, num_value_heads, head_dim), state, slots.astype(jnp.int32),
