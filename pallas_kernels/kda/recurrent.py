@@ -245,7 +245,8 @@ def kda_update_inputs_pallas(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
                              config: KDADecodeConfig | None = None):
     """The inputs of a separate state update (:mod:`pallas_kernels.kda.decode_mgpu`) for one decode token per
     sequence: conv-state shift (in place), causal conv + SiLU, q / k L2 norm, gate and beta, as
-    :func:`fused_recurrent_kda_pallas` forms them (K = V; arguments as there, ``out_slots [N]``).
+    :func:`fused_recurrent_kda_pallas` forms them (K = V; arguments as there, ``out_slots [N]``), with
+    ``config.epilogue_warps`` warps per (sequence, q/k head) program.
 
     Returns ``(vecs [N, HV, 4, K] fp32: q (scaled), k, exp(gate), v; scalars [N, HV, 2] fp32: beta, beta (q . k);
     conv_state)``."""
