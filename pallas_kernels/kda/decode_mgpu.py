@@ -262,7 +262,6 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
     if mixed_qkv.shape[1] != 1:
         raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {mixed_qkv.shape[1]}")
     num_seqs = mixed_qkv.shape[0]
-    num_value_heads = state.shape[1]
     if state.shape[-2:] != (DIM, DIM):
         raise ValueError(f"fused_recurrent_kda_mgpu needs K = V = {DIM}, got {state.shape[-2:]}")
     dest = out_slots[:, 0]

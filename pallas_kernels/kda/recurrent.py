@@ -73,11 +73,10 @@ def _conv_silu(rows, taps, t):
     return c * jax.nn.sigmoid(c)
 
 
-def _decay(g_ref, a_log_ref, dt_bias_ref, seq, t, hv, layer, lower_bound, head_dim):
-    """``exp(gate)`` of value head ``hv`` at token t: fp32 ``[K]``."""
+def _decay(g_raw, a_log_ref, dt_bias_ref, hv, layer, lower_bound):
+    """``exp(gate)`` of value head ``hv`` from its raw gate row ``g_raw [K]``: fp32 ``[K]``."""
     decay_scale = jnp.exp(a_log_ref[layer, hv].astype(jnp.float32))
-    z = (g_ref[seq, t, pl.ds(hv * head_dim, head_dim)].astype(jnp.float32)
-         + dt_bias_ref[layer, hv, :].astype(jnp.float32))
+    z = g_raw.astype(jnp.float32) + dt_bias_ref[layer, hv, :].astype(jnp.float32)
     return jnp.exp(gate_from_logits(z, decay_scale, lower_bound))
 
 
@@ -98,8 +97,8 @@ def _recurrent_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_ref,
     conv_writes = [(head * head_dim, q_rows), (qk_width + head * head_dim, k_rows)]
     for i in range(group):
         hv = head * group + i
-        gs = [_decay(g_ref, a_log_ref, dt_bias_ref, seq, t, hv, layer, lower_bound, head_dim)[:, None]
-              for t in range(num_tokens)]
+        gs = [_decay(g_ref[seq, t, pl.ds(hv * head_dim, head_dim)], a_log_ref, dt_bias_ref, hv, layer,
+                     lower_bound)[:, None] for t in range(num_tokens)]
         betas = [jax.nn.sigmoid(beta_ref[seq, t, hv].astype(jnp.float32)) for t in range(num_tokens)]
         num_tiles = value_dim // block_v
         tile_rows = lax.broadcasted_iota(jnp.int32, (num_tiles, block_v), 0)
@@ -230,7 +229,8 @@ def _update_inputs_kernel(mixed_ref, conv_w_ref, conv_state_in_ref, g_ref, beta_
         v_rows, v_taps = conv.window(v_offset, head_dim)
         vecs_ref[seq, hv, 0, :] = q
         vecs_ref[seq, hv, 1, :] = k
-        vecs_ref[seq, hv, 2, :] = _decay(g_ref, a_log_ref, dt_bias_ref, seq, 0, hv, layer, lower_bound, head_dim)
+        vecs_ref[seq, hv, 2, :] = _decay(g_ref[seq, 0, pl.ds(hv * head_dim, head_dim)], a_log_ref, dt_bias_ref, hv,
+                                         layer, lower_bound)
         vecs_ref[seq, hv, 3, :] = _conv_silu(v_rows, v_taps, 0)
         beta = jax.nn.sigmoid(beta_ref[seq, 0, hv].astype(jnp.float32))
         scalars_ref[seq, hv, :] = jnp.where(first, beta, beta * qk)
@@ -316,9 +316,8 @@ def _split_v_kernel(mixed_ref, conv_w_ref, conv_state_ref, g_ref, beta_ref, a_lo
             shift(head * head_dim, head_dim)
             shift(qk_width + head * head_dim, head_dim)
 
-    decay_scale = jnp.exp(a_log_ref[layer, value_head].astype(jnp.float32))
-    g = jnp.exp(gate_from_logits(g_ref[seq, pl.ds(value_head * head_dim, head_dim)].astype(jnp.float32)
-                                 + dt_bias_ref[layer, value_head, :].astype(jnp.float32), decay_scale, lower_bound))
+    g = _decay(g_ref[seq, pl.ds(value_head * head_dim, head_dim)], a_log_ref, dt_bias_ref, value_head, layer,
+               lower_bound)
     beta = jax.nn.sigmoid(beta_ref[seq, value_head].astype(jnp.float32))
     state = state.astype(jnp.float32) * g[:, None]
     error = v - jnp.sum(state * k[:, None], axis=0)
