@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tuning
@@ -31,12 +32,13 @@ def decode_split_v(num_seqs: int, num_v_heads: int, config: KDADecodeConfig | No
     return None if num_seqs * num_v_heads <= cfg.fused_max_rows or not cfg.split_v else cfg.split_v
 
 
-def decode_takes_mgpu(num_seqs: int, state_shape: tuple[int, ...], config: KDADecodeConfig | None = None) -> bool:
-    """Whether a decode step of ``num_seqs`` sequences over a ``[S, HV, K, V]`` pool takes the Mosaic-GPU state
-    update: at least ``mgpu_min_rows`` (sequence, value head) rows (0: never) and K = V = 128."""
+def decode_takes_mgpu(num_seqs: int, state: jax.ShapeDtypeStruct, config: KDADecodeConfig | None = None) -> bool:
+    """Whether a decode step of ``num_seqs`` sequences over ``state`` (a ``[S, HV, K, V]`` pool, or its shape and
+    dtype) takes the Mosaic-GPU state update: K = V = 128 and at least ``mgpu_min_rows`` (fp32 pool) or
+    ``mgpu_min_rows_bf16`` (bf16 pool) (sequence, value head) rows, a threshold of 0 meaning never."""
     cfg = tuning.resolve(KDADecodeConfig, config)
-    return bool(cfg.mgpu_min_rows) and num_seqs * state_shape[1] >= cfg.mgpu_min_rows and \
-        tuple(state_shape[-2:]) == (128, 128)
+    threshold = cfg.mgpu_min_rows_bf16 if state.dtype == jnp.bfloat16 else cfg.mgpu_min_rows
+    return bool(threshold) and num_seqs * state.shape[1] >= threshold and tuple(state.shape[-2:]) == (128, 128)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, checkpoint_positions=None,
@@ -135,7 +137,8 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
-    Pallas: from ``config.mgpu_min_rows`` rows (:func:`decode_takes_mgpu`) the Mosaic-GPU state update; else up
+    Pallas: from ``config.mgpu_min_rows`` rows (``mgpu_min_rows_bf16`` for a bf16 pool; :func:`decode_takes_mgpu`)
+    the Mosaic-GPU state update; else up
     to ``config.fused_max_rows`` (sequence, value head) rows one program per (sequence, head) does
     everything; past it (:func:`decode_split_v`) each state is spread over ``V / split_v`` programs of ``[K,
     split_v]`` slices (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and conv-state write
@@ -145,7 +148,7 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     Returns:
       ``(y [N, HV*V], conv_state [S, W-1, C], state [S, HV, K, V])``.
     """
-    if decode_takes_mgpu(mixed_qkv.shape[0], state.shape, config) and resolve_impl(impl) == "pallas":
+    if decode_takes_mgpu(mixed_qkv.shape[0], state, config) and resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.decode_mgpu import fused_recurrent_kda_mgpu
 
         y, conv_state, state = fused_recurrent_kda_mgpu(

@@ -222,13 +222,13 @@ class PrefillCase:
 
     def time_ours(self):
         """Wall time (and on the GPU the per-launch device time) of our kernel, and for the softplus gate also of
-        the opt-in per-block midpoint form of its diagonal launch (``ours_adaptive_*``, with its error against
-        the default's output)."""
+        its diagonal launch in the dyadic form on every block (``ours_dyadic_*``, with its error against the
+        default's output; the default takes the midpoint form per block where the span allows)."""
         variants = {"ours": lambda *a: prefill_call(*a, impl="pallas", lower_bound=self.lower_bound)}
         if self.lower_bound is None:
-            variants["ours_adaptive"] = jax.jit(lambda q, k, v, g, beta, cu, A_log, dt_bias: chunk_kda_pallas(
+            variants["ours_dyadic"] = jax.jit(lambda q, k, v, g, beta, cu, A_log, dt_bias: chunk_kda_pallas(
                 q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
-                config=ChunkKDAConfig(adaptive_diagonal=True))[:2])
+                config=ChunkKDAConfig(adaptive_diagonal=False))[:2])
         args = prefill_args(self.x)
         for label, fn in variants.items():
             if label != "ours" and self.out is not None:

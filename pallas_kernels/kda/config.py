@@ -23,8 +23,9 @@ class ChunkKDAConfig:
     * ``fast_math``: PTX ``ex2`` / ``lg2`` / ``rcp`` approximations in place of libdevice's exact ``expf`` /
       ``log1pf`` / divide (998.6 us against 1076.8 at H32 T8K; fp32 results within 1e-4); tuned null: on the GPU.
     * ``adaptive_diagonal``: gates without a lower bound take the midpoint form per block where its span allows
-      (``chunk._diagonal_block_any_gate``); off until the H200 times it (about 2400 SASS instructions per
-      program against 4200 for the dyadic form).
+      (``chunk._diagonal_block_any_gate``): tuned on (H100, softplus H32 T8K: diagonal launch 287.2 against 392.5
+      us, the prefill 0.982 against 1.076 ms; about 2400 SASS instructions per program against 4200 for the
+      dyadic form, so the gain does not depend on the device's bandwidth).
     """
 
     block_v: int | None = None
@@ -54,8 +55,13 @@ class KDADecodeConfig:
       swept).
     * ``split_v_warps`` from :data:`WIDE_SPLIT_V` columns, ``narrow_split_v_warps`` below; ``epilogue_warps``:
       the split-V epilogue (gated RMSNorm and conv-state write).
-    * ``mgpu_min_rows``: decode steps with at least this many rows take the Mosaic-GPU state update
-      (:mod:`pallas_kernels.kda.decode_mgpu`, K = V = 128) instead; 0: never (tuned: 0, see BENCHMARKS.md).
+    * ``mgpu_min_rows`` / ``mgpu_min_rows_bf16``: decode steps over an fp32 / bf16 state pool with at least this
+      many rows take the Mosaic-GPU state update (:mod:`pallas_kernels.kda.decode_mgpu`, K = V = 128) instead; 0:
+      never. H100 (device us of the whole step, Mosaic-GPU against the tuned Triton kernel): fp32 H96 B64 (6144
+      rows) 310.6 / 320.9, H32 B256 407.9 / 429.1, H96 B256 1192.0 / 1322.9, but H32 B64 (2048) 115.6 / 107.4;
+      bf16 H96 B256 (24576) 751.8 / 825.6, but H32 B256 (8192) 266.2 / 254.1 and H96 B64 199.5 / 193.4; every
+      B16 case slower. Its tuned file sets 6144 / 24576; the H200, not yet timed, keeps 0 (BENCHMARKS.md, KDA
+      decode).
     """
 
     fused_max_rows: int | None = None
@@ -68,6 +74,7 @@ class KDADecodeConfig:
     narrow_split_v_warps: int | None = None
     epilogue_warps: int | None = None
     mgpu_min_rows: int | None = None
+    mgpu_min_rows_bf16: int | None = None
 
 
 WIDE_SPLIT_V = 64

@@ -74,18 +74,20 @@ def test_chunk_varlen_gate_l2norm_checkpoints(dtype, lower_bound):
     assert np.all(np.asarray(ours[0][0, 130:]) == 0)  # tokens past the last sequence
 
 
-@pytest.mark.slow  # ~15 s CPU: interpret-mode compile of the full kernels
-def test_chunk_adaptive_diagonal_softplus_varlen_matches_reference():
-    """The opt-in per-block midpoint form (softplus gate, fp32: heads' spans from mild to far past 80, so both
-    branches run) equals the reference on the varlen batch with initial states and checkpoints."""
+@pytest.mark.slow  # ~15 s CPU each: interpret-mode compile of the full kernels
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_chunk_softplus_diagonal_forms_varlen_match_reference(adaptive):
+    """Both diagonal-block forms of an unbounded gate (softplus, fp32): the per-block midpoint form where the span
+    allows (the default; heads' spans from mild to far past 80, so both branches run) and the dyadic form on every
+    block, equal the reference on the varlen batch with initial states and checkpoints."""
     x = prefill_inputs(2, jnp.float32)
     x["A_log"] = jnp.asarray([-1.0, 3.0], jnp.float32)  # exp: 0.37 (spans ~5) and 20 (spans ~250)
     kwargs = dict(initial_state=x["initial_state"], cu_seqlens=jnp.asarray(CU),
                   checkpoint_positions=jnp.asarray(POSITIONS), use_qk_l2norm=True, A_log=x["A_log"],
                   dt_bias=x["dt_bias"])
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    ours = jax.jit(lambda *a: chunk_module.chunk_kda_pallas(*a, config=ChunkKDAConfig(adaptive_diagonal=True),
-                                                            **kwargs))(*args)
+    config = ChunkKDAConfig(adaptive_diagonal=adaptive)
+    ours = jax.jit(lambda *a: chunk_module.chunk_kda_pallas(*a, config=config, **kwargs))(*args)
     ref = chunk_kda(*args, impl="reference", **kwargs)
     for name, a, b in zip(("o", "final_state", "checkpoints"), ours, ref):
         assert_close(a, b, FP32_TOL, name)
