@@ -40,7 +40,7 @@ from pallas_kernels import tuning
 from pallas_kernels.impl import on_gpu
 from pallas_kernels.kda.recurrent import kda_update_inputs_pallas
 from pallas_kernels.kda.reference import gated_rms_norm
-from pallas_kernels.mgpu_smem import wgmma_operand_transforms
+from pallas_kernels.mgpu import fresh_int32_buffer, wgmma_operand_transforms
 
 DIM = 128  # K = V: the kernel's head size
 HALF = DIM // 2
@@ -246,7 +246,7 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
                        *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))]
                          if state.dtype == jnp.bfloat16 else [])],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(slots.astype(jnp.int32), out_slots.astype(jnp.int32), scalars, vecs, pool)
+    )(fresh_int32_buffer(slots), fresh_int32_buffer(out_slots, -1), scalars, vecs, pool)  # -1: no write
     return o, jax.freeze(pool)
 
 

@@ -58,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels.impl import on_gpu
-from pallas_kernels.mgpu_smem import BARRIER_BYTES, wgmma_operand_transforms
+from pallas_kernels.mgpu import BARRIER_BYTES, fresh_int32_buffer, wgmma_operand_transforms
 from pallas_kernels.mla.config import MLADecodeMGPUConfig
 from pallas_kernels.mla.reference import NO_KEY_LSE, merge_partials
 
@@ -174,14 +174,6 @@ def smem_bytes(stages: int) -> int:
     return 2 * ROWS * WIDTH + stages * 2 * BLOCK_KV * WIDTH + (1 + 2 * stages) * BARRIER_BYTES
 
 
-def _fresh_index_buffer(x: jax.Array) -> jax.Array:
-    """``x`` (non-negative ints) as int32 in a buffer of its own. Mosaic-GPU's custom call rejects operands that
-    are not 256-byte aligned, and XLA hands a custom call a slice of a larger buffer in place: the engine's block
-    tables and context lengths are slices of its packed step words (the first 27-layer engine run with 64-token
-    pages failed so at batch 64). The max with 0 is a no-op XLA cannot drop, so it writes a new buffer."""
-    return jnp.maximum(x.astype(jnp.int32), 0)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "q_len", "layer", "config", "interpret"))
 def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, context_lens: jax.Array, *,
                     scale: float, q_len: int = 1, layer: int | None = None, config: MLADecodeMGPUConfig | None = None,
@@ -233,6 +225,6 @@ def mla_decode_mgpu(q: jax.Array, pages: jax.Array, block_tables: jax.Array, con
         scratch_types=[plgpu.SMEM((ROWS, WIDTH), jnp.bfloat16, transforms=wgmma_operand_transforms(WIDTH)),
                        plgpu.Barrier(num_barriers=1), *p_smem],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q_rows, pages, _fresh_index_buffer(block_tables), _fresh_index_buffer(context_lens))
+    )(q_rows, pages, fresh_int32_buffer(block_tables), fresh_int32_buffer(context_lens))
     o, lse = merge_partials(o_parts[:, :, :q_len * num_heads], lse_parts[:, :, :q_len * num_heads])
     return o.astype(q.dtype).reshape(num_tokens, num_heads, RANK), lse.reshape(num_tokens, num_heads)

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels.impl import on_gpu
-from pallas_kernels.mgpu_smem import BARRIER_BYTES, wgmma_operand_transforms
+from pallas_kernels.mgpu import BARRIER_BYTES, wgmma_operand_transforms
 from pallas_kernels.mxfp4.config import MXFP4MGPUConfig
 from pallas_kernels.mxfp4.decode import e2m1_to_bf16, e8m0_to_bf16
 from pallas_kernels.mxfp4.quant import from_pair_halves, to_pair_halves
