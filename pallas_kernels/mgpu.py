@@ -18,9 +18,9 @@ def wgmma_operand_transforms(minor: int, bits: int = 16):
 
 
 def fresh_int32_buffer(x: jax.Array, floor: int = 0) -> jax.Array:
-    """``x`` (ints, none below ``floor`` that matters: smaller values become ``floor``) as int32 in a buffer of its
-    own. Mosaic-GPU's custom call rejects operands that are not 256-byte aligned, and XLA hands a custom call a slice
-    of a larger buffer in place: the engine's block tables, context lengths and state slots are slices of its packed
-    step words (the first engine runs of the MLA and KDA decodes failed so at batch 64). The max with ``floor`` is
-    an op XLA cannot drop, so it writes a new buffer."""
+    """``x`` as int32 in a buffer of its own, values below ``floor`` raised to it (0 for indices; -1 where any
+    negative value means "none"). Mosaic-GPU's custom call rejects operands that are not 256-byte aligned, and XLA
+    hands a custom call a slice of a larger buffer in place: the engine's block tables, context lengths and state
+    slots are slices of its packed step words (the first engine runs of the MLA and KDA decodes failed so at batch
+    64). The max with ``floor`` is an op XLA cannot drop, so it writes a new buffer."""
     return jnp.maximum(x.astype(jnp.int32), floor)
