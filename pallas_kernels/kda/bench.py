@@ -321,8 +321,8 @@ def num_sms() -> int:
 @functools.partial(jax.jit, static_argnames=("ctas",), donate_argnums=(0, 1))
 def decode_step_mgpu(conv_state, state, *rest, ctas=None):
     """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (the state update
-    as a Mosaic-GPU kernel, conv and norms in XLA; ``ctas``: its pipelined form over that many CTAs), returning
-    what :func:`decode_step` does."""
+    as a Mosaic-GPU kernel after a Triton kernel for conv, norms and gate; ``ctas``: its pipelined form over that
+    many CTAs), returning what :func:`decode_step` does."""
     x = dict(zip(REST_ORDER, rest))
     per_token = {name: x[name][:, None] for name in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits")}
     y, conv_state, state = fused_recurrent_kda_mgpu(

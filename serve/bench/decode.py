@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="KDA decode: steps with at most this many (sequence, value head) rows take the fused "
                              "one-launch kernel (default: the tuned KDADecodeConfig.fused_max_rows; 0: never)")
     parser.add_argument("--kda-mgpu-min-rows", type=int, default=-1,
-                        help="KDA decode: steps with at least this many (sequence, value head) rows take the "
-                             "Mosaic-GPU state update, fp32 state pools (default: the tuned KDADecodeConfig.mgpu_min_rows; 0: never)")
+                        help="KDA decode over fp32 state pools: steps with at least this many (sequence, value head) "
+                             "rows take the Mosaic-GPU state update (default: the tuned "
+                             "KDADecodeConfig.mgpu_min_rows; 0: never)")
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
