@@ -160,12 +160,15 @@ def decode_fn(variant, fp8=False):
 
 DECODE_VARIANTS = {
     12: [dict(block_h=16, block_k=64, num_warps=4), dict(block_h=16, block_k=32, num_warps=4),
-         dict(block_h=16, block_k=64, num_warps=4, num_stages=3)],
+         dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
+         dict(block_h=16, block_k=64, num_warps=4, key_major=True),
+         dict(block_h=16, block_k=64, num_warps=4, num_stages=3, key_major=True)],
     32: [dict(block_h=32, block_k=64, num_warps=4), dict(block_h=32, block_k=32, num_warps=4),
-         dict(block_h=16, block_k=64, num_warps=4), dict(block_h=32, block_k=64, num_warps=8)],
+         dict(block_h=16, block_k=64, num_warps=4), dict(block_h=32, block_k=64, num_warps=8),
+         dict(block_h=32, block_k=64, num_warps=4, key_major=True)],
     96: [dict(block_h=64, block_k=64, num_warps=8), dict(block_h=64, block_k=32, num_warps=8),
          dict(block_h=32, block_k=64, num_warps=4), dict(block_h=32, block_k=32, num_warps=4),
-         dict(block_h=32, block_k=64, num_warps=8)],
+         dict(block_h=32, block_k=64, num_warps=8), dict(block_h=64, block_k=64, num_warps=8, key_major=True)],
 }  # fmt: skip
 
 
@@ -183,16 +186,21 @@ def guarded(row: dict, measure) -> dict:
     return row
 
 
-def run_sweep(report: dict) -> dict:
-    """Tiling sweep at one decode shape -> {H: (best compiling variant, us)}."""
+def run_sweep(report: dict, heads=HEADS) -> dict:
+    """Tiling sweep at one decode shape -> {H: (best compiling variant, us)}; each row also records how far its
+    output lies from the default tiling's (``max_abs_diff_o``, ``max_abs_diff_lse``)."""
     best, report["sweep"] = {}, []
     pages, tables, ctx = make_cache(jax.random.key(1), [SWEEP_CONTEXT] * SWEEP_BATCH)
     cu = jnp.arange(SWEEP_BATCH + 1, dtype=jnp.int32)
-    for num_heads in HEADS:
+    for num_heads in heads:
         q = jax.random.normal(jax.random.key(num_heads), (SWEEP_BATCH, num_heads, W), jnp.bfloat16)
+        o_default, lse_default = decode_fn({})(q, pages, tables, ctx, cu)
         for variant in DECODE_VARIANTS[num_heads]:
 
-            def measure(row, variant=variant):
+            def measure(row, variant=variant, o_default=o_default, lse_default=lse_default):
+                o, lse = decode_fn(variant)(q, pages, tables, ctx, cu)
+                row["max_abs_diff_o"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - o_default.astype(jnp.float32))))
+                row["max_abs_diff_lse"] = float(jnp.max(jnp.abs(lse - lse_default)))
                 row["us"] = time_call(decode_fn(variant), q, pages, tables, ctx, cu) * 1e6
                 if num_heads not in best or row["us"] < best[num_heads][1]:
                     best[num_heads] = (variant, row["us"])
@@ -438,7 +446,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip remaining items after this")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    parser.add_argument("--heads", type=int, nargs="+", default=HEADS, help="head counts of the mgpu section")
+    parser.add_argument("--heads", type=int, nargs="+", default=HEADS,
+                        help="head counts of the sweep and mgpu sections")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -462,7 +471,7 @@ def main() -> None:
         save()
     best = {}
     if "sweep" in sections:
-        best = run_sweep(report)
+        best = run_sweep(report, args.heads)
         save()
     elif "decode" in sections:  # no sweep: choose_tiling's defaults (they encode the H200 sweep's winners)
         best = {num_heads: ({}, float("nan")) for num_heads in HEADS}
