@@ -22,7 +22,6 @@ from pallas_kernels.greedy import kernel as greedy_kernel
 from pallas_kernels.kda import ChunkKDAConfig
 from pallas_kernels.kda import chunk as kda_chunk
 from pallas_kernels.kda import recurrent as kda_recurrent
-from pallas_kernels.mla import MLADecodeConfig
 from pallas_kernels.mla import absorb as mla_absorb
 from pallas_kernels.mla import attention as mla_attention
 from pallas_kernels.mla import prefill as mla_prefill
@@ -236,11 +235,10 @@ CASES = {
     "mla_decode_triton_fp8": (mla_decode_fp8, [
         S((16, 12, 576), jnp.bfloat16), S((9000, 64, 576), jnp.float8_e4m3fn), S((16, 512), jnp.int32),
         S((16,), jnp.int32), S((17,), jnp.int32), S((9000, 64), jnp.float32)]),
-    **{name: (functools.partial(mla_attention.mla_paged_attention_pallas, scale=0.07, kv_lora_rank=512,
-                                config=MLADecodeConfig(key_major=key_major)),
-              [S((16, 12, 576), jnp.bfloat16), S((9000, 64, 576), jnp.bfloat16), S((16, 512), jnp.int32),
-               S((16,), jnp.int32), S((17,), jnp.int32)])
-       for name, key_major in (("mla_decode_triton_h12", False), ("mla_decode_triton_h12_key_major", True))},
+    "mla_decode_triton_h12": (functools.partial(mla_attention.mla_paged_attention_pallas, scale=0.07,
+                                                kv_lora_rank=512),
+                              [S((16, 12, 576), jnp.bfloat16), S((9000, 64, 576), jnp.bfloat16),
+                               S((16, 512), jnp.int32), S((16,), jnp.int32), S((17,), jnp.int32)]),
     "mla_prefill_unabsorbed": (functools.partial(mla_prefill.mla_prefill_attention_pallas, scale=0.07),
                                [S((8192, 96, 192), jnp.bfloat16), S((8192, 96, 128), jnp.bfloat16),
                                 S((8192, 64), jnp.bfloat16), S((8192, 96, 128), jnp.bfloat16), S((2,), jnp.int32),

@@ -106,11 +106,10 @@ def _absorbed_kernel(
     tile_seq_ref, tile_q0_ref, cu_q_lens_ref, context_lens_ref, block_tables_ref, row_offset_ref,
     q_ref, pages_ref, scales_ref,
     o_ref, lse_ref,
-    *, scale, num_heads, kv_lora_rank, block_q, block_h, block_k, block_size, num_splits, key_major,
+    *, scale, num_heads, kv_lora_rank, block_q, block_h, block_k, block_size, num_splits,
 ):  # fmt: skip
     """One (query tile, head block, KV split) program. Refs are full arrays: q [T, H, W], pages [rows, W],
-    scales [rows] or None, o [splits, T, H, R], lse [splits, T, H]. ``key_major``: scores and probabilities are
-    held as ``[block_k, rows]`` (``K q^T``), so both products take the cache tile untransposed."""
+    scales [rows] or None, o [splits, T, H, R], lse [splits, T, H]."""
     head_block, split, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rank, width = kv_lora_rank, q_ref.shape[-1]
     rows = block_q * block_h
@@ -144,11 +143,6 @@ def _absorbed_kernel(
         stop = jnp.minimum(start + per_split, num_key_blocks)
         compute_dtype = q_ref.dtype
         max_page = block_tables_ref.shape[1] - 1
-        key_axis = 0 if key_major else 1
-        along_rows = (lambda v: v[None, :]) if key_major else (lambda v: v[:, None])  # noqa: E731
-        along_keys = (lambda v: v[:, None]) if key_major else (lambda v: v[None, :])  # noqa: E731
-        if key_major:
-            q_lat, q_pe = q_lat.T, q_pe.T  # [W, rows], once per program
 
         def body(kb, carry):
             acc, row_max, denom = carry
@@ -161,26 +155,21 @@ def _absorbed_kernel(
             k_lat = pltriton.load(pages_ref.at[cache_row, lat_cols], mask=key_real[:, None], other=zero)
             k_pe = pltriton.load(pages_ref.at[cache_row, pe_cols], mask=key_real[:, None], other=zero)
             k_lat, k_pe = k_lat.astype(compute_dtype), k_pe.astype(compute_dtype)
-            if key_major:
-                scores = jnp.dot(k_lat, q_lat, preferred_element_type=jnp.float32)
-                scores += jnp.dot(k_pe, q_pe, preferred_element_type=jnp.float32)
-            else:
-                scores = jnp.dot(q_lat, k_lat.T, preferred_element_type=jnp.float32)
-                scores += jnp.dot(q_pe, k_pe.T, preferred_element_type=jnp.float32)
+            scores = jnp.dot(q_lat, k_lat.T, preferred_element_type=jnp.float32)
+            scores += jnp.dot(q_pe, k_pe.T, preferred_element_type=jnp.float32)
             if scales_ref is not None:
                 key_scale = pltriton.load(scales_ref.at[cache_row[:, 0]], mask=key_real, other=0.0)
-                scores *= along_keys(key_scale)
-            visible = (along_keys(key) <= along_rows(pos)) & along_rows(row_real)
+                scores *= key_scale[None, :]
+            visible = (key[None, :] <= pos[:, None]) & row_real[:, None]
             scores = jnp.where(visible, scores, NO_KEY_LSE)
-            new_max = jnp.maximum(row_max, jnp.max(scores, axis=key_axis))
-            probs = jnp.where(visible, jnp.exp(scores - along_rows(new_max)), 0.0)
+            new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+            probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
             correction = jnp.exp(row_max - new_max)
-            denom = denom * correction + jnp.sum(probs, axis=key_axis)
+            denom = denom * correction + jnp.sum(probs, axis=1)
             if scales_ref is not None:
-                probs *= along_keys(key_scale)
-            probs = probs.astype(compute_dtype)
+                probs *= key_scale[None, :]
             acc = acc * correction[:, None] + jnp.dot(
-                probs.T if key_major else probs, k_lat, preferred_element_type=jnp.float32
+                probs.astype(compute_dtype), k_lat, preferred_element_type=jnp.float32
             )
             return acc, new_max, denom
 
@@ -245,7 +234,7 @@ def mla_paged_attention_pallas(
     out_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(
         _absorbed_kernel, scale=scale, num_heads=num_heads, kv_lora_rank=kv_lora_rank, block_q=block_q,
-        block_h=block_h, block_k=block_k, block_size=block_size, num_splits=num_splits, key_major=cfg.key_major,
+        block_h=block_h, block_k=block_k, block_size=block_size, num_splits=num_splits,
     )  # fmt: skip
     operands = (
         tile_seq, tile_q0, cu_q_lens.astype(jnp.int32), context_lens.astype(jnp.int32),

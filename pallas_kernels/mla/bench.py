@@ -160,15 +160,12 @@ def decode_fn(variant, fp8=False):
 
 DECODE_VARIANTS = {
     12: [dict(block_h=16, block_k=64, num_warps=4), dict(block_h=16, block_k=32, num_warps=4),
-         dict(block_h=16, block_k=64, num_warps=4, num_stages=3),
-         dict(block_h=16, block_k=64, num_warps=4, key_major=True),
-         dict(block_h=16, block_k=64, num_warps=4, num_stages=3, key_major=True)],
+         dict(block_h=16, block_k=64, num_warps=4, num_stages=3)],
     32: [dict(block_h=32, block_k=64, num_warps=4), dict(block_h=32, block_k=32, num_warps=4),
-         dict(block_h=16, block_k=64, num_warps=4), dict(block_h=32, block_k=64, num_warps=8),
-         dict(block_h=32, block_k=64, num_warps=4, key_major=True)],
+         dict(block_h=16, block_k=64, num_warps=4), dict(block_h=32, block_k=64, num_warps=8)],
     96: [dict(block_h=64, block_k=64, num_warps=8), dict(block_h=64, block_k=32, num_warps=8),
          dict(block_h=32, block_k=64, num_warps=4), dict(block_h=32, block_k=32, num_warps=4),
-         dict(block_h=32, block_k=64, num_warps=8), dict(block_h=64, block_k=64, num_warps=8, key_major=True)],
+         dict(block_h=32, block_k=64, num_warps=8)],
 }  # fmt: skip
 
 

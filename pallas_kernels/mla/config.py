@@ -24,9 +24,6 @@ class MLADecodeConfig:
     splits of at least ``short_split_keys`` keys toward ``short_kv_programs`` programs and at most
     ``short_kv_max_splits`` splits (H=32, batch 1 over 560 tokens 20.0 -> 12.2 us, over 4K 22.4 -> 18.2, batch
     16 over 560 24.3 -> 19.7).
-
-    ``key_major``: hold the scores as ``K q^T`` (``[block_k, rows]``) so that both products read the cache tile
-    untransposed (compiled for an H200 at H=12: 1954 -> 1800 instructions per step, 208 -> 104 B of stack).
     """
 
     block_q: int | None = None
@@ -46,7 +43,6 @@ class MLADecodeConfig:
     short_split_keys: int | None = None
     short_kv_programs: int | None = None
     short_kv_max_splits: int | None = None
-    key_major: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
