@@ -60,9 +60,8 @@ class KDADecodeConfig:
       never. H100 (device us of the whole step, Mosaic-GPU against the tuned Triton kernel): fp32 H96 B64 (6144
       rows) 310.6 / 320.9, H32 B256 407.9 / 429.1, H96 B256 1192.0 / 1322.9, but H32 B64 (2048) 115.6 / 107.4;
       bf16 H96 B256 (24576) 751.8 / 825.6, but H32 B256 (8192) 266.2 / 254.1 and H96 B64 199.5 / 193.4; every
-      B16 case slower. Tuned 0 everywhere: the first engine step with 6144 / 24576 on the H100 failed on a slot
-      operand that was not 256-byte aligned (now a buffer of its own), and no engine run has checked the fix yet
-      (BENCHMARKS.md, KDA decode).
+      B16 case slower. Tuned 6144 / 24576 on the H100 (the ``k3-slice`` engine at batch 64 runs with them, device
+      7.51 -> 7.49 ms per step), 0 elsewhere until timed (BENCHMARKS.md, KDA decode).
     """
 
     fused_max_rows: int | None = None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import tuning
 from pallas_kernels.kda.decode_mgpu import DIM, fused_recurrent_kda_mgpu, kda_state_update_mgpu
 from pallas_kernels.kda.reference import fused_recurrent_kda_reference
 from tests.kernels.helpers import assert_close
@@ -135,19 +136,21 @@ def test_shapes_it_does_not_take_are_refused():
 
 def test_decode_dispatch_takes_it_from_its_row_threshold():
     """``KDADecodeConfig.mgpu_min_rows`` (fp32 pools) / ``mgpu_min_rows_bf16`` route ``fused_recurrent_kda`` here
-    from that many rows (tuned: never), with the same results as the fused reference."""
+    from that many rows (tuned: never, except on the H100: ``tuned/nvidia-h100-80gb-hbm3.json``), with the same
+    results as the fused reference."""
     from pallas_kernels.kda import KDADecodeConfig, decode_takes_mgpu, fused_recurrent_kda
 
     def pool(heads, dtype=jnp.float32, dim=128):
         return jax.ShapeDtypeStruct((9, heads, dim, dim), dtype)
 
-    assert not decode_takes_mgpu(256, pool(96))  # tuned off here
+    assert not decode_takes_mgpu(256, pool(96), tuning.tuned(KDADecodeConfig, "NVIDIA H200"))  # tuned off
+    assert decode_takes_mgpu(64, pool(96), tuning.tuned(KDADecodeConfig, "NVIDIA H100 80GB HBM3"))
     assert decode_takes_mgpu(3, pool(2), KDADecodeConfig(mgpu_min_rows=6))
     assert not decode_takes_mgpu(2, pool(2), KDADecodeConfig(mgpu_min_rows=6))
     assert not decode_takes_mgpu(64, pool(2, dim=64), KDADecodeConfig(mgpu_min_rows=1))
     assert not decode_takes_mgpu(3, pool(2, jnp.bfloat16), KDADecodeConfig(mgpu_min_rows=6, mgpu_min_rows_bf16=0))
     assert decode_takes_mgpu(3, pool(2, jnp.bfloat16), KDADecodeConfig(mgpu_min_rows=0, mgpu_min_rows_bf16=6))
-    timed = KDADecodeConfig(mgpu_min_rows=6144, mgpu_min_rows_bf16=24576)  # where the H100 timed it faster
+    timed = KDADecodeConfig(mgpu_min_rows=6144, mgpu_min_rows_bf16=24576)  # the H100's: where it timed faster
     assert decode_takes_mgpu(64, pool(96), timed) and not decode_takes_mgpu(64, pool(32), timed)
     assert decode_takes_mgpu(256, pool(96, jnp.bfloat16), timed)
     assert not decode_takes_mgpu(256, pool(32, jnp.bfloat16), timed)

@@ -43,6 +43,17 @@ def test_every_config_class_is_tuned_with_every_field(kind):
         assert dataclasses.asdict(got) == dataclasses.asdict(tuning.tuned(cls, "NVIDIA H200")), cls.__name__
 
 
+def test_h100_departs_from_generic_in_the_kda_decode_routing_only():
+    """The H100's file names only the Mosaic-GPU KDA decode thresholds timed there; the rest is generic."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    for cls in config_classes():
+        got, generic = dataclasses.asdict(tuning.tuned(cls, h100)), dataclasses.asdict(tuning.tuned(cls, "cpu"))
+        if cls is KDADecodeConfig:
+            assert (got.pop("mgpu_min_rows"), got.pop("mgpu_min_rows_bf16")) == (6144, 24576)
+            generic = {k: v for k, v in generic.items() if k in got}
+        assert got == generic, cls.__name__
+
+
 def test_resolve_keeps_set_fields_and_fills_the_rest():
     cfg = tuning.resolve(ChunkKDAConfig, ChunkKDAConfig(scan_stages=1))
     assert cfg.scan_stages == 1 and cfg.block_v == 32 and cfg.intra_warps == 4 and cfg.fast_math is None
