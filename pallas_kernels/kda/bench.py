@@ -318,17 +318,17 @@ def num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", 132)
 
 
-@functools.partial(jax.jit, static_argnames=("ctas",), donate_argnums=(0, 1))
-def decode_step_mgpu(conv_state, state, *rest, ctas=None):
+@functools.partial(jax.jit, static_argnames=("ctas", "bf16_sums"), donate_argnums=(0, 1))
+def decode_step_mgpu(conv_state, state, *rest, ctas=None, bf16_sums="wgmma"):
     """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (the state update
     as a Mosaic-GPU kernel after a Triton kernel for conv, norms and gate; ``ctas``: its pipelined form over that
-    many CTAs), returning what :func:`decode_step` does."""
+    many CTAs; ``bf16_sums``: a bf16 pool's column sums), returning what :func:`decode_step` does."""
     x = dict(zip(REST_ORDER, rest))
     per_token = {name: x[name][:, None] for name in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits")}
     y, conv_state, state = fused_recurrent_kda_mgpu(
         conv_weight=x["conv_weight"], conv_state=conv_state, A_log=x["A_log"], dt_bias=x["dt_bias"], state=state,
         slots=x["slots"], out_slots=x["slots"][:, None], o_norm_weight=x["o_norm_weight"], lower_bound=LOWER_BOUND,
-        ctas=ctas, **per_token)
+        ctas=ctas, bf16_sums=bf16_sums, **per_token)
     return y[:, 0], conv_state, state
 
 
@@ -361,6 +361,9 @@ class DecodeCase:
             row["mgpu_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, ctas=num_sms())
             row["mgpu_pipe_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
+            if row["state_dtype"] == "bfloat16":
+                y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, bf16_sums="reduce")
+                row["mgpu_reduce_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             print(f"check {self.name}: rel err y {row['err_vs_ref_y']:.1e} state {row['err_vs_ref_state']:.1e} "
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
@@ -373,6 +376,8 @@ class DecodeCase:
         else:
             variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu),
                         ("ours_mgpu_pipe_s", functools.partial(decode_step_mgpu, ctas=num_sms()))]
+            if self.row["state_dtype"] == "bfloat16":  # the column sums by reductions (twice the CTAs per SM)
+                variants.append(("ours_mgpu_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce")))
         if impl == "pallas" and sliced:
             variants += [(f"ours_bv{bv}_s", functools.partial(step, block_v=bv)) for bv in DECODE_BLOCK_V]
             variants += [(f"ours_split{sv}_s", functools.partial(step, split_v=sv)) for sv in DECODE_SPLIT_V]

@@ -190,32 +190,34 @@ def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def smem_bytes(state_dtype, stages: int = 1) -> int:
+def smem_bytes(state_dtype, stages: int = 1, by_wgmma: bool = True) -> int:
     """Shared memory of one CTA: per stage the ``[K, V]`` state, five fp32 vectors (q, k, g, v, o) and two
-    barriers; with a bf16 state also the column sums' A tile (bf16) and product (fp32), ``[64, 128]`` each, in one
-    buffer."""
-    wgmma = ROWS * DIM * 4 if jnp.dtype(state_dtype) == jnp.bfloat16 else 0
+    barriers; with a bf16 state whose column sums take a ``wgmma`` also its A tile (bf16) and product (fp32),
+    ``[64, 128]`` each, in one buffer."""
+    wgmma = ROWS * DIM * 4 if by_wgmma and jnp.dtype(state_dtype) == jnp.bfloat16 else 0
     return stages * (DIM * DIM * jnp.dtype(state_dtype).itemsize + 5 * DIM * 4 + 2 * 8) + wgmma
 
 
 def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Array, q: jax.Array, k: jax.Array,
                           g: jax.Array, v: jax.Array, beta: jax.Array, *, ctas: int | None = None,
-                          interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                          bf16_sums: str = "wgmma", interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """One delta-rule step per (sequence, value head) over a slot pool, in place.
 
     state ``[S, HV, K, V]`` (fp32 or bf16), slots / out_slots int32 ``[N]`` (the write is skipped where
     ``out_slots < 0``), q (already scaled), k, g (the decay factor ``exp(gate)``) ``[N, HV, K]``, v ``[N, HV, V]``,
-    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). A bf16 pool takes its column sums by ``wgmma``. ``ctas``:
-    None, one CTA per (sequence, value head); else that many CTAs, each pipelining a run of pairs over two stages.
-    ``interpret``: the Mosaic-GPU interpreter (default: when no GPU is present)."""
+    beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). ``ctas``: None, one CTA per (sequence, value head); else
+    that many CTAs, each pipelining a run of pairs over two stages. ``bf16_sums``: how a bf16 pool forms its column
+    sums, ``"wgmma"`` (one product; 68 KB of shared memory per CTA, three CTAs per SM) or ``"reduce"`` (the fp32
+    pool's cross-warp reductions; 35 KB, six CTAs per SM). ``interpret``: the Mosaic-GPU interpreter (default: when
+    no GPU is present)."""
     q, k, beta = (x.astype(jnp.float32) for x in (q, k, beta))
     vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)
     scalars = jnp.stack([beta, beta * jnp.sum(q * k, axis=-1)], axis=-1)
-    return _state_update(state, slots, out_slots, vecs, scalars, ctas=ctas, interpret=interpret)
+    return _state_update(state, slots, out_slots, vecs, scalars, ctas=ctas, bf16_sums=bf16_sums, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "interpret"))
-def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
+@functools.partial(jax.jit, static_argnames=("ctas", "bf16_sums", "interpret"))
+def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, bf16_sums, interpret):
     """:func:`kda_state_update_mgpu` from ``vecs [N, HV, 4, K]`` (q, k, g, v: one TMA copy per CTA) and
     ``scalars [N, HV, 2]`` (beta, beta (q . k))."""
     num_slots, num_value_heads, head_dim, value_dim = state.shape
@@ -224,6 +226,9 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
         raise ValueError(f"kda_state_update_mgpu needs K = V = {DIM}, got K={head_dim}, V={value_dim}")
     if state.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"state dtype must be float32 or bfloat16, got {state.dtype}")
+    if bf16_sums not in ("wgmma", "reduce"):
+        raise ValueError(f"bf16_sums must be 'wgmma' or 'reduce', got {bf16_sums!r}")
+    by_wgmma = state.dtype == jnp.bfloat16 and bf16_sums == "wgmma"
     interpret = not on_gpu() if interpret is None else interpret
     transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
     pairs = num_seqs * num_value_heads
@@ -234,7 +239,7 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
         per_cta = -(-pairs // ctas)
         body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta)
         grid, names, stages, lead = (-(-pairs // per_cta),), ("cta",), 2, (2,)
-    tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages), f"{stages} stage(s)")
+    tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages, by_wgmma), f"{stages} stage(s)")
     a_tile = plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM))
     pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
     o = plgpu.kernel(
@@ -244,7 +249,7 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
         scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state.dtype, transforms=transforms),
                        plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages),
                        *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))]
-                         if state.dtype == jnp.bfloat16 else [])],
+                         if by_wgmma else [])],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(fresh_int32_buffer(slots), fresh_int32_buffer(out_slots, -1), scalars, vecs, pool)  # -1: no write
     return o, jax.freeze(pool)
@@ -253,12 +258,12 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, interpret):
 def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                              out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
                              eps: float = 1e-5, layer: int | None = None, ctas: int | None = None,
-                             interpret: bool | None = None):
+                             bf16_sums: str = "wgmma", interpret: bool | None = None):
     """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
     arguments and returns; ``out_slots [N, 1]``) in three launches: the conv-state shift, conv, norms and gate
     (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`, a Triton kernel writing the conv rows in place),
-    the state update here (``ctas`` as in :func:`kda_state_update_mgpu`), and the gated RMSNorm (XLA). ``layer``
-    as in :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
+    the state update here (``ctas``, ``bf16_sums`` as in :func:`kda_state_update_mgpu`), and the gated RMSNorm
+    (XLA). ``layer`` as in :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
     if mixed_qkv.shape[1] != 1:
         raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {mixed_qkv.shape[1]}")
     num_seqs = mixed_qkv.shape[0]
@@ -268,7 +273,7 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
     vecs, scalars, conv_state = kda_update_inputs_pallas(
         mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, slots, dest,
         lower_bound=lower_bound, scale=scale, layer=layer)
-    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, interpret=interpret)
+    o, state = _state_update(state, slots, dest, vecs, scalars, ctas=ctas, bf16_sums=bf16_sums, interpret=interpret)
     norm_weight = o_norm_weight if layer is None else o_norm_weight[layer]
     y = gated_rms_norm(o, gate_logits.reshape(o.shape), norm_weight, eps).reshape(num_seqs, 1, -1)
     return y.astype(mixed_qkv.dtype), conv_state, state

@@ -51,17 +51,20 @@ def update_float64(x):
     return np.einsum("nhk,nhkv->nhv", x["q"], s), s
 
 
-@pytest.mark.parametrize("state_dtype,ctas", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float32, 2),
-                                               (jnp.bfloat16, 4)])
-def test_state_update_matches_float64_in_place(state_dtype, ctas):
+@pytest.mark.parametrize("state_dtype,ctas,bf16_sums", [(jnp.float32, None, "wgmma"), (jnp.bfloat16, None, "wgmma"),
+                                                         (jnp.bfloat16, None, "reduce"), (jnp.float32, 2, "wgmma"),
+                                                         (jnp.bfloat16, 4, "wgmma")])
+def test_state_update_matches_float64_in_place(state_dtype, ctas, bf16_sums):
     """Batch 3 with a skipped write (out slot -1) and one sequence moving to another slot: o and the written
     states match float64; every slot not written keeps its bytes. ``ctas``: the pipelined kernel, 6 pairs over 2
-    CTAs (3 each: both stages reused) or 4 (runs of 2, the last CTA idle)."""
+    CTAs (3 each: both stages reused) or 4 (runs of 2, the last CTA idle); a bf16 pool's column sums by ``wgmma``
+    or by reductions."""
     x, dtype = update_inputs(0, state_dtype)
     pool = jnp.asarray(x["state"], dtype)
     x["state"] = np.asarray(pool.astype(jnp.float32))  # what the kernel reads
     o, state = ready(kda_state_update_mgpu(pool, *(jnp.asarray(x[n]) for n in ("slots", "out_slots", "q", "k", "g",
-                                                                                "v", "beta")), ctas=ctas))
+                                                                                "v", "beta")),
+                                                  ctas=ctas, bf16_sums=bf16_sums))
     o_want, s_want = update_float64(x)
     assert_close(o, o_want, FP32_TOL, "o")
     written = [(n, d) for n, d in enumerate(x["out_slots"]) if d >= 0]
@@ -111,13 +114,14 @@ def test_decode_reads_layer_row_of_stacked_weights():
         assert_close(a, b, FP32_TOL, name)
 
 
-@pytest.mark.parametrize("state_dtype,ctas", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float32, 5),
-                                               (jnp.bfloat16, 5)])
-def test_state_update_lowers_for_cuda(state_dtype, ctas):
+@pytest.mark.parametrize("state_dtype,ctas,bf16_sums", [(jnp.float32, None, "wgmma"), (jnp.bfloat16, None, "wgmma"),
+                                                         (jnp.bfloat16, None, "reduce"), (jnp.float32, 5, "wgmma"),
+                                                         (jnp.bfloat16, 5, "wgmma")])
+def test_state_update_lowers_for_cuda(state_dtype, ctas, bf16_sums):
     """Mosaic-GPU's layout inference, TMA shapes and shared-memory transforms, run by ``jax.export`` for CUDA."""
     S = jax.ShapeDtypeStruct
     n, hv = 4, 3
-    fn = functools.partial(kda_state_update_mgpu, ctas=ctas, interpret=False)
+    fn = functools.partial(kda_state_update_mgpu, ctas=ctas, bf16_sums=bf16_sums, interpret=False)
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(
         S((9, hv, DIM, DIM), state_dtype), S((n,), jnp.int32), S((n,), jnp.int32),
         *[S((n, hv, DIM), jnp.float32)] * 4, S((n, hv), jnp.float32)).mlir_module()
