@@ -318,17 +318,18 @@ def num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", 132)
 
 
-@functools.partial(jax.jit, static_argnames=("ctas", "bf16_sums"), donate_argnums=(0, 1))
-def decode_step_mgpu(conv_state, state, *rest, ctas=None, bf16_sums="wgmma"):
-    """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (the state update
-    as a Mosaic-GPU kernel after a Triton kernel for conv, norms and gate; ``ctas``: its pipelined form over that
-    many CTAs; ``bf16_sums``: a bf16 pool's column sums), returning what :func:`decode_step` does."""
+@functools.partial(jax.jit, static_argnames=("ctas", "bf16_sums", "one_launch"), donate_argnums=(0, 1))
+def decode_step_mgpu(conv_state, state, *rest, ctas=None, bf16_sums="wgmma", one_launch=True):
+    """One decode step through :func:`pallas_kernels.kda.decode_mgpu.fused_recurrent_kda_mgpu` (one Mosaic-GPU
+    launch, or with ``one_launch`` False the state update after a Triton kernel for conv, norms and gate; ``ctas``:
+    the update's pipelined form over that many CTAs; ``bf16_sums``: a bf16 pool's column sums), returning what
+    :func:`decode_step` does."""
     x = dict(zip(REST_ORDER, rest))
     per_token = {name: x[name][:, None] for name in ("mixed_qkv", "g_raw", "beta_logits", "gate_logits")}
     y, conv_state, state = fused_recurrent_kda_mgpu(
         conv_weight=x["conv_weight"], conv_state=conv_state, A_log=x["A_log"], dt_bias=x["dt_bias"], state=state,
         slots=x["slots"], out_slots=x["slots"][:, None], o_norm_weight=x["o_norm_weight"], lower_bound=LOWER_BOUND,
-        ctas=ctas, bf16_sums=bf16_sums, **per_token)
+        ctas=ctas, bf16_sums=bf16_sums, one_launch=one_launch, **per_token)
     return y[:, 0], conv_state, state
 
 
@@ -359,6 +360,8 @@ class DecodeCase:
             row["split_v_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             y, cs, st = decode_step_mgpu(*self.pools(), *self.rest)
             row["mgpu_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
+            y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, one_launch=False)
+            row["mgpu3_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, ctas=num_sms())
             row["mgpu_pipe_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             if row["state_dtype"] == "bfloat16":
@@ -368,13 +371,15 @@ class DecodeCase:
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
     def time(self, impl, sliced: bool = True):
-        """Wall (and for ours, profiler device) time of each variant: the tuned kernel, the Mosaic-GPU state
-        update (``ours_mgpu``, with its own kernel's time), and with ``sliced`` the V-slice and split-V kernels."""
+        """Wall (and for ours, profiler device) time of each variant: the tuned kernel, the Mosaic-GPU step in one
+        launch (``ours_mgpu``) and in three (``ours_mgpu3``, with the state update's own time), pipelined, with a
+        bf16 pool's column sums by reductions, and with ``sliced`` the V-slice and split-V kernels."""
         step = functools.partial(decode_step, impl=impl)
         if impl != "pallas":
             variants = [("xla_ref_s", step)]
         else:
             variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu),
+                        ("ours_mgpu3_s", functools.partial(decode_step_mgpu, one_launch=False)),
                         ("ours_mgpu_pipe_s", functools.partial(decode_step_mgpu, ctas=num_sms()))]
             if self.row["state_dtype"] == "bfloat16":  # the column sums by reductions (twice the CTAs per SM)
                 variants.append(("ours_mgpu_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce")))
@@ -527,21 +532,22 @@ def print_table(ceilings, rows):
               f"{r.get('err_vs_fla_o', nan):9.1e}{r.get('err_vs_ref_o', nan):9.1e}"
               + _errors(r))
     print(f"{'decode':<24}{'ours us':>9}{'fla us':>9}{'xla us':>9}{'x fla':>7}{'Ktok/s':>8}{'TB/s':>8}{'%copy':>7}"
-          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}{'dev us':>8}{'split dev':>10}{'mgpu dev':>9}{'kern':>7}"
-          f"{'%copy':>6}{'pipe dev':>9}{'kern':>7}{'%copy':>6}")
+          f"{'fla TB/s':>9}{'fla %':>7}{'err_ref':>9}{'dev us':>8}{'split dev':>10}{'mgpu dev':>9}{'%copy':>6}"
+          f"{'3-launch':>9}{'kern':>7}{'%copy':>6}{'pipe dev':>9}{'reduce':>8}{'%copy':>6}")
     for r in rows:
         if r["kind"] != "decode":
             continue
         name = f"H{r['H']} B{r['B']} {r['state_dtype']}"
+        pct = lambda key: 100 * r["state_bytes"] / (r.get(key, nan) * 1e-6) / bw  # noqa: B023 (used at once)
         ours, fla, xla = r.get("ours_s", nan), r.get("fla_s", nan), r.get("xla_ref_s", nan)
         print(f"{name:<24}{ours * 1e6:9.1f}{fla * 1e6:9.1f}{xla * 1e6:9.1f}{fla / ours:7.2f}{r['B'] / ours / 1e3:8.1f}"
               f"{r['state_bytes'] / ours / 1e12:8.2f}{100 * r['state_bytes'] / ours / bw:7.0f}"
               f"{r['state_bytes'] / fla / 1e12:9.2f}{100 * r['state_bytes'] / fla / bw:7.0f}"
               f"{r.get('err_vs_ref_y', nan):9.1e}{r.get('ours_device_us', nan):8.1f}{_best_split_device_us(r):10.1f}"
-              f"{r.get('ours_mgpu_device_us', nan):9.1f}{r.get('ours_mgpu_kernel_us', nan):7.1f}"
-              f"{100 * r['state_bytes'] / (r.get('ours_mgpu_kernel_us', nan) * 1e-6) / bw:6.0f}"
-              f"{r.get('ours_mgpu_pipe_device_us', nan):9.1f}{r.get('ours_mgpu_pipe_kernel_us', nan):7.1f}"
-              f"{100 * r['state_bytes'] / (r.get('ours_mgpu_pipe_kernel_us', nan) * 1e-6) / bw:6.0f}"
+              f"{r.get('ours_mgpu_device_us', nan):9.1f}{pct('ours_mgpu_device_us'):6.0f}"
+              f"{r.get('ours_mgpu3_device_us', nan):9.1f}{r.get('ours_mgpu3_kernel_us', nan):7.1f}"
+              f"{pct('ours_mgpu3_kernel_us'):6.0f}{r.get('ours_mgpu_pipe_device_us', nan):9.1f}"
+              f"{r.get('ours_mgpu_reduce_device_us', nan):8.1f}{pct('ours_mgpu_reduce_device_us'):6.0f}"
               + _errors(r))
 
 

@@ -37,9 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels.impl import on_gpu
-from pallas_kernels.kda.recurrent import kda_update_inputs_pallas
-from pallas_kernels.kda.reference import gated_rms_norm
+from pallas_kernels.impl import layer_stacks, on_gpu
+from pallas_kernels.kda.recurrent import L2_EPS, kda_update_inputs_pallas
+from pallas_kernels.kda.reference import SOFTPLUS_THRESHOLD, gated_rms_norm
 from pallas_kernels.mgpu import fresh_int32_buffer, wgmma_operand_transforms
 
 DIM = 128  # K = V: the kernel's head size
@@ -110,15 +110,15 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
     _rank_one_update(s_smem, vec_smem, beta, error)
 
 
-def _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head) -> None:
-    """The step of pair (seq, head) in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's
-    A tile and product, one buffer: the product is written once the ``wgmma`` has read the tile) is given, else by
-    reductions; ``scalars_ref [N, HV, 2]``: beta and beta (q . k)."""
+def _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk) -> None:
+    """The step of one pair in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's A tile
+    and product, one buffer: the product is written once the ``wgmma`` has read the tile) is given, else by
+    reductions; ``beta_qk = beta (q . k)``."""
     if wgmma_smem:
         a_smem, sums_smem = wgmma_smem[0]
-        _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
+        _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk)
     else:
-        _update_in_smem(s_smem, vec_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
+        _update_in_smem(s_smem, vec_smem, beta, beta_qk)
 
 
 def _load_pair(refs, pair, s_smem, vec_smem, state_barrier, vec_barrier, num_value_heads):
@@ -150,7 +150,7 @@ def _one_pair_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref,
     seq, head = _load_pair(refs, pair, s_smem, vec_smem, bar.at[0], bar.at[1], num_value_heads)
     plgpu.barrier_wait(bar.at[1])
     plgpu.barrier_wait(bar.at[0])
-    _update(s_smem, vec_smem, wgmma_smem, scalars_ref, seq, head)
+    _update(s_smem, vec_smem, wgmma_smem, scalars_ref[seq, head, 0], scalars_ref[seq, head, 1])
     _store_pair(refs, o_ref, seq, head, s_smem, vec_smem)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -184,9 +184,84 @@ def _pipelined_kernel(slots_ref, out_slots_ref, scalars_ref, vecs_ref, state_ref
         seq, head = pair // num_value_heads, pair % num_value_heads
         plgpu.barrier_wait(bar.at[2 + stage])
         plgpu.barrier_wait(bar.at[stage])
-        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref, seq, head)
+        _update(s_smem.at[stage], vec_smem.at[stage], wgmma_smem, scalars_ref[seq, head, 0],
+                scalars_ref[seq, head, 1])
         _store_pair(refs, o_ref, seq, head, s_smem.at[stage], vec_smem.at[stage])
 
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _decay(z, a, lower_bound):
+    """``exp(gate)`` from the gate logits ``z`` (``g_raw + dt_bias``) and ``a = exp(A_log)``
+    (:func:`pallas_kernels.kda.reference.gate_from_logits`; softplus as ``log(1 + exp)``: no ``log1p`` here)."""
+    if lower_bound is None:
+        softplus = jnp.where(z > SOFTPLUS_THRESHOLD, z, jnp.log(1.0 + jnp.exp(jnp.minimum(z, SOFTPLUS_THRESHOLD))))
+        return jnp.exp(-a * softplus)
+    return jnp.exp(lower_bound * _sigmoid(a * z))
+
+
+def _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out_slot, a, beta_logit, vec_smem, *,
+            scale, lower_bound, layer):
+    """Conv + SiLU, L2 norms, gate and beta of one (sequence, head), read from global memory into registers (while
+    the state's TMA copy is in flight), and the next conv state written to ``out_slot`` (none when negative):
+    writes q (scaled), k, exp(gate), v to ``vec_smem`` rows 0-3 -> (beta, beta (q . k))."""
+    width = w_ref.shape[0]
+    rows, shifted = [], []
+    for j in range(3):  # q, k, v
+        window = [conv_ref[slot, t, j, head, :].astype(jnp.float32) for t in range(width - 1)]
+        window.append(x_ref[seq, j, head, :].astype(jnp.float32))
+        conv = sum(w_ref[t, j, head, :].astype(jnp.float32) * window[t] for t in range(width))
+        rows.append(conv * _sigmoid(conv))
+        shifted.append(window[1:])  # the next conv state: the W - 2 newest cached inputs, then the new one
+
+    @pl.when(out_slot >= 0)
+    def _():
+        for j, window in enumerate(shifted):
+            for t, x in enumerate(window):
+                conv_ref[out_slot, t, j, head, :] = x.astype(conv_ref.dtype)
+
+    q, k, v = rows
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * scale
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    z = g_raw_ref[seq, head, :].astype(jnp.float32) + dt_bias_ref[layer, head, :].astype(jnp.float32)
+    for i, row in enumerate((q, k, _decay(z, a, lower_bound), v)):
+        vec_smem[i, :] = row
+    beta = _sigmoid(beta_logit)
+    return beta, beta * jnp.sum(q * k)
+
+
+def _one_launch_kernel(slots_ref, out_slots_ref, a_log_ref, beta_ref, x_ref, w_ref, g_raw_ref, dt_bias_ref,
+                       gate_ref, norm_ref, conv_ref, state_ref, y_ref, s_smem, vec_smem, bar, *wgmma_smem, scale,
+                       lower_bound, eps, layer):
+    """The whole decode step of one (sequence, head) (H = HV) in one CTA: the state's TMA copy is in flight while
+    the conv, norms and gate read their operands from global memory; the gated RMSNorm of o follows the update.
+    Only the state and the five vectors live in shared memory, so three CTAs share an SM at fp32 as in
+    :func:`_one_pair_kernel`. Operands as :func:`_one_launch_step` lays them out."""
+    pair = jax.lax.axis_index("pair")
+    heads = x_ref.shape[2]
+    seq, head = pair // heads, pair % heads
+    slot, out_slot = slots_ref[seq], out_slots_ref[seq]
+    plgpu.copy_gmem_to_smem(state_ref.at[slot, head], s_smem, bar.at[0])
+    a = jnp.exp(a_log_ref[layer, head].astype(jnp.float32))
+    beta, beta_qk = _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out_slot, a,
+                            beta_ref[seq, head].astype(jnp.float32), vec_smem, scale=scale, lower_bound=lower_bound,
+                            layer=layer)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(bar.at[0])
+    _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk)
+
+    @pl.when(out_slot >= 0)
+    def _():
+        plgpu.copy_smem_to_gmem(s_smem, state_ref.at[out_slot, head])
+
+    o = vec_smem[4, :]
+    normed = o * jax.lax.rsqrt(jnp.sum(o * o) * (1.0 / DIM) + eps)
+    y_ref[seq, head, :] = (normed * norm_ref[layer, :].astype(jnp.float32)
+                           * _sigmoid(gate_ref[seq, head, :].astype(jnp.float32))).astype(y_ref.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -255,21 +330,70 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, bf16_sums, in
     return o, jax.freeze(pool)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "eps", "layer", "bf16_sums", "interpret"))
+def _one_launch_step(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots, dest,
+                     gate_logits, o_norm_weight, *, scale, lower_bound, eps, layer, bf16_sums, interpret):
+    """:func:`fused_recurrent_kda_mgpu` in one Mosaic-GPU launch (H = HV; ``dest [N]``; per-layer operands as
+    :func:`pallas_kernels.impl.layer_stacks` gives them). The channels are viewed as ``[3, H, K]`` (q / k / v,
+    head, lane); the conv taps are transposed to ``[W, C]`` first (a copy of ``C * W`` elements) so that a CTA
+    reads each tap of its head as one contiguous row."""
+    num_seqs, _, channels = mixed_qkv.shape
+    num_slots, heads = state.shape[:2]
+    width = conv_weight.shape[-1]
+    by_wgmma = state.dtype == jnp.bfloat16 and bf16_sums == "wgmma"
+    lanes = lambda x, *lead: x.reshape(*lead, 3, heads, DIM)
+    x = lanes(mixed_qkv, num_seqs)
+    taps = lanes(conv_weight[layer].T, width)
+    per_head = lambda a, lead: a.reshape(lead, heads, DIM)
+    operands = (fresh_int32_buffer(slots), fresh_int32_buffer(dest, -1), A_log, beta_logits.reshape(num_seqs, heads),
+                x, taps, per_head(g_raw, num_seqs), per_head(dt_bias, dt_bias.shape[0]),
+                per_head(gate_logits, num_seqs), o_norm_weight)
+    tuning.check_smem("kda_decode_mgpu", smem_bytes(state.dtype, 1, by_wgmma), "one launch")
+    a_tile = plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM))
+    conv_pool = jax.new_ref(conv_state.reshape(num_slots, width - 1, 3, heads, DIM))
+    pool = jax.new_ref(state)
+    y = plgpu.kernel(
+        functools.partial(_one_launch_kernel, scale=scale, lower_bound=lower_bound, eps=eps, layer=layer),
+        out_type=jax.ShapeDtypeStruct((num_seqs, heads, DIM), mixed_qkv.dtype),
+        grid=(num_seqs * heads,), grid_names=("pair",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=[plgpu.SMEM((DIM, DIM), state.dtype,
+                                  transforms=wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)),
+                       plgpu.SMEM((5, DIM), jnp.float32), plgpu.Barrier(num_barriers=1),
+                       *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))] if by_wgmma else [])],
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*operands, conv_pool, pool)
+    return y.reshape(num_seqs, 1, channels // 3), jax.freeze(conv_pool).reshape(conv_state.shape), jax.freeze(pool)
+
+
 def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                              out_slots, gate_logits, o_norm_weight, *, lower_bound=None, scale=None,
                              eps: float = 1e-5, layer: int | None = None, ctas: int | None = None,
-                             bf16_sums: str = "wgmma", interpret: bool | None = None):
+                             bf16_sums: str = "wgmma", one_launch: bool = True, interpret: bool | None = None):
     """:func:`~pallas_kernels.kda.reference.fused_recurrent_kda_reference` for one token per sequence (same
-    arguments and returns; ``out_slots [N, 1]``) in three launches: the conv-state shift, conv, norms and gate
-    (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`, a Triton kernel writing the conv rows in place),
-    the state update here (``ctas``, ``bf16_sums`` as in :func:`kda_state_update_mgpu`), and the gated RMSNorm
-    (XLA). ``layer`` as in :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
+    arguments and returns; ``out_slots [N, 1]``). With ``one_launch`` and ``ctas`` None, where each value head has
+    its own q / k head (H = HV), one Mosaic-GPU kernel does it all (:func:`_one_launch_kernel`). Otherwise three
+    launches: the conv-state shift, conv, norms and gate (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`,
+    a Triton kernel writing the conv rows in place; with GVA one program forms a q / k head's inputs for all its value
+    heads), the state update here (``ctas`` as in :func:`kda_state_update_mgpu`), and the gated RMSNorm (XLA).
+    ``bf16_sums`` as in :func:`kda_state_update_mgpu`; ``layer`` as in
+    :func:`pallas_kernels.kda.recurrent.fused_recurrent_kda_pallas`."""
     if mixed_qkv.shape[1] != 1:
         raise ValueError(f"fused_recurrent_kda_mgpu takes one token per sequence, got {mixed_qkv.shape[1]}")
     num_seqs = mixed_qkv.shape[0]
     if state.shape[-2:] != (DIM, DIM):
         raise ValueError(f"fused_recurrent_kda_mgpu needs K = V = {DIM}, got {state.shape[-2:]}")
+    if bf16_sums not in ("wgmma", "reduce"):
+        raise ValueError(f"bf16_sums must be 'wgmma' or 'reduce', got {bf16_sums!r}")
     dest = out_slots[:, 0]
+    if one_launch and ctas is None and mixed_qkv.shape[2] == 3 * state.shape[1] * DIM:
+        (A_log, dt_bias, o_norm_weight, conv_weight), row = layer_stacks(layer, A_log, dt_bias, o_norm_weight,
+                                                                         conv_weight)
+        interpret = not on_gpu() if interpret is None else interpret
+        return _one_launch_step(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
+                                dest, gate_logits, o_norm_weight, scale=DIM**-0.5 if scale is None else float(scale),
+                                lower_bound=lower_bound, eps=float(eps), layer=row, bf16_sums=bf16_sums,
+                                interpret=interpret)
     vecs, scalars, conv_state = kda_update_inputs_pallas(
         mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, slots, dest,
         lower_bound=lower_bound, scale=scale, layer=layer)

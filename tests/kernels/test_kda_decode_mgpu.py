@@ -92,9 +92,9 @@ def decode_inputs(seed, heads=1, value_heads=2, width=4, slots=7, seqs=3):
 @pytest.mark.parametrize("lower_bound,state_dtype,ctas", [(-5.0, jnp.float32, None), (None, jnp.float32, None),
                                                            (-5.0, jnp.bfloat16, None), (None, jnp.bfloat16, 2)])
 def test_decode_matches_fused_reference(lower_bound, state_dtype, ctas):
-    """Conv shift, conv + SiLU, L2 norms, GVA (one q/k head for two value heads), both gates, in place, a moved
-    and a skipped write: y and both pools equal the fused reference's, with fp32 and bf16 state pools, one CTA per
-    pair or pipelined runs of pairs."""
+    """Three launches (GVA: one q/k head for two value heads): conv shift, conv + SiLU, L2 norms, both gates, in
+    place, a moved and a skipped write: y and both pools equal the fused reference's, with fp32 and bf16 state
+    pools, one CTA per pair or pipelined runs of pairs."""
     x = decode_inputs(1)
     x["state"] = x["state"].astype(state_dtype)
     ours = ready(fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound, ctas=ctas))
@@ -104,8 +104,28 @@ def test_decode_matches_fused_reference(lower_bound, state_dtype, ctas):
         assert_close(a.astype(jnp.float32), b.astype(jnp.float32), tol, name)
 
 
-def test_decode_reads_layer_row_of_stacked_weights():
-    x = decode_inputs(2)
+@pytest.mark.parametrize("lower_bound,state_dtype,inputs_dtype,bf16_sums", [
+    (-5.0, jnp.float32, jnp.float32, "wgmma"), (None, jnp.float32, jnp.bfloat16, "wgmma"),
+    (-5.0, jnp.bfloat16, jnp.float32, "wgmma"), (None, jnp.bfloat16, jnp.bfloat16, "reduce")])
+def test_one_launch_matches_fused_reference(lower_bound, state_dtype, inputs_dtype, bf16_sums):
+    """H = HV = 2 takes the one-launch kernel: the same cases as the three launches, with bf16 activations and
+    conv pool (the kernel reads them as stored and does fp32 math like the reference, so only the bf16 y's own
+    rounding, 2^-8, separates them) and a bf16 pool's column sums both ways."""
+    x = decode_inputs(5, heads=2)
+    x = {n: (a.astype(inputs_dtype) if n in ("mixed_qkv", "conv_state", "g_raw", "beta_logits", "gate_logits")
+             else a) for n, a in x.items()}
+    x["state"] = x["state"].astype(state_dtype)
+    ours = ready(fused_recurrent_kda_mgpu(**x, lower_bound=lower_bound, bf16_sums=bf16_sums))
+    want = fused_recurrent_kda_reference(**x, lower_bound=lower_bound)
+    for name, a, b in zip(("y", "conv_state", "state"), ours, want):
+        rounded = (name == "state" and state_dtype == jnp.bfloat16) or (name == "y" and inputs_dtype == jnp.bfloat16)
+        assert_close(a.astype(jnp.float32), b.astype(jnp.float32), BF16_TOL if rounded else FP32_TOL, name)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_decode_reads_layer_row_of_stacked_weights(heads):
+    """Per-layer stacks read at ``layer``, in three launches (GVA) and in one."""
+    x = decode_inputs(2, heads=heads)
     per_layer = ("conv_weight", "A_log", "dt_bias", "o_norm_weight")
     stacked = {n: jnp.stack([-x[n], x[n]]) for n in per_layer}
     ours = ready(fused_recurrent_kda_mgpu(**{**x, **stacked}, layer=1, lower_bound=-5.0))
@@ -128,6 +148,24 @@ def test_state_update_lowers_for_cuda(state_dtype, ctas, bf16_sums):
     assert "mosaic_gpu" in module
 
 
+@pytest.mark.parametrize("state_dtype,bf16_sums", [(jnp.float32, "wgmma"), (jnp.bfloat16, "wgmma"),
+                                                   (jnp.bfloat16, "reduce")])
+def test_one_launch_lowers_for_cuda(state_dtype, bf16_sums):
+    """The whole step with H = HV as one Mosaic-GPU kernel and no Triton one (bf16 activations, fp32 conv pool and
+    taps, stacked layers), lowered by ``jax.export`` for CUDA."""
+    S = jax.ShapeDtypeStruct
+    n, heads, width, layers, slots = 4, 3, 4, 2, 9
+    channels = 3 * heads * DIM
+    act, f32 = jnp.bfloat16, jnp.float32
+    fn = functools.partial(fused_recurrent_kda_mgpu, lower_bound=None, layer=1, bf16_sums=bf16_sums, interpret=False)
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(
+        S((n, 1, channels), act), S((layers, channels, width), f32), S((slots, width - 1, channels), f32),
+        S((n, 1, heads * DIM), act), S((n, 1, heads), act), S((layers, heads), f32), S((layers, heads * DIM), f32),
+        S((slots, heads, DIM, DIM), state_dtype), S((n,), jnp.int32), S((n, 1), jnp.int32),
+        S((n, 1, heads * DIM), act), S((layers, DIM), f32)).mlir_module()
+    assert module.count("mosaic_gpu") >= 1 and "triton" not in module
+
+
 def test_shapes_it_does_not_take_are_refused():
     x = decode_inputs(3)
     with pytest.raises(ValueError, match="one token"):
@@ -136,6 +174,8 @@ def test_shapes_it_does_not_take_are_refused():
     ints = jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match="K = V = 128"):
         kda_state_update_mgpu(small, ints, ints, *[jnp.zeros((1, 1, 64))] * 4, jnp.zeros((1, 1)))
+    with pytest.raises(ValueError, match="bf16_sums"):
+        fused_recurrent_kda_mgpu(**x, bf16_sums="mma")
 
 
 def test_decode_dispatch_takes_it_from_its_row_threshold():
