@@ -138,7 +138,7 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     Shapes as :func:`fused_recurrent_kda_verify` without the token axis: mixed_qkv ``[N, 2*H*K + HV*V]``,
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
     Pallas: from ``config.mgpu_min_rows`` rows (``mgpu_min_rows_bf16`` for a bf16 pool; :func:`decode_takes_mgpu`)
-    the Mosaic-GPU state update; else up to ``config.fused_max_rows`` (sequence, value head) rows one program per
+    the Mosaic-GPU state update (in one launch with ``config.mgpu_one_launch``); else up to ``config.fused_max_rows`` (sequence, value head) rows one program per
     (sequence, head) does everything; past it (:func:`decode_split_v`) each state is spread over ``V / split_v``
     programs of ``[K, split_v]`` slices (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and
     conv-state write then run in its epilogue kernel).
@@ -150,10 +150,11 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     if decode_takes_mgpu(mixed_qkv.shape[0], state, config) and resolve_impl(impl) == "pallas":
         from pallas_kernels.kda.decode_mgpu import fused_recurrent_kda_mgpu
 
+        cfg = tuning.resolve(KDADecodeConfig, config)
         y, conv_state, state = fused_recurrent_kda_mgpu(
             mixed_qkv[:, None], conv_weight, conv_state, g_raw[:, None], beta_logits[:, None], A_log, dt_bias,
             state, slots, slots[:, None], gate_logits[:, None], o_norm_weight, lower_bound=lower_bound, scale=scale,
-            eps=eps, layer=layer)
+            eps=eps, layer=layer, one_launch=cfg.mgpu_one_launch, bf16_sums=cfg.mgpu_bf16_sums)
         return y[:, 0], conv_state, state
     split_v = decode_split_v(mixed_qkv.shape[0], state.shape[1], config)
     if split_v is not None and resolve_impl(impl) == "pallas":

@@ -62,6 +62,13 @@ class KDADecodeConfig:
       bf16 H96 B256 (24576) 751.8 / 825.6, but H32 B256 (8192) 266.2 / 254.1 and H96 B64 199.5 / 193.4; every
       B16 case slower. Tuned 6144 / 24576 on the H100 (the ``k3-slice`` engine at batch 64 runs with them, device
       7.51 -> 7.49 ms per step), 0 elsewhere until timed (BENCHMARKS.md, KDA decode).
+    * ``mgpu_one_launch``: where each value head has its own q / k head (H = HV), the Mosaic-GPU path in one
+      launch (conv, norms, gate and gated RMSNorm inside the state update's kernel) instead of three (a Triton
+      inputs kernel, the update, an XLA RMSNorm: 9-80 us and 4 us on top of the update on the H100). Tuned false
+      until it has run on a GPU.
+    * ``mgpu_bf16_sums``: a bf16 pool's two column sums in the Mosaic-GPU update, ``"wgmma"`` (timed above) or
+      ``"reduce"`` (the fp32 pool's cross-warp reductions: half the shared memory, six CTAs per SM against three;
+      not yet timed).
     """
 
     fused_max_rows: int | None = None
@@ -75,6 +82,8 @@ class KDADecodeConfig:
     epilogue_warps: int | None = None
     mgpu_min_rows: int | None = None
     mgpu_min_rows_bf16: int | None = None
+    mgpu_one_launch: bool | None = None
+    mgpu_bf16_sums: str | None = None
 
 
 WIDE_SPLIT_V = 64

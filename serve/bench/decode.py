@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="KDA decode over fp32 state pools: steps with at least this many (sequence, value head) "
                              "rows take the Mosaic-GPU state update (default: the tuned "
                              "KDADecodeConfig.mgpu_min_rows; 0: never)")
+    parser.add_argument("--kda-mgpu-one-launch", choices=("on", "off"), default=None,
+                        help="KDA decode: the Mosaic-GPU path in one launch where H = HV (default: the tuned "
+                             "KDADecodeConfig.mgpu_one_launch)")
     parser.add_argument("--skinny-rows", type=int, default=-1,
                         help="dense projections of steps with up to this many rows use the Pallas grouped GEMM "
                              "on the layer stack (0: XLA; default: kimi_jax.layers.common.SKINNY_MAX_ROWS)")
@@ -177,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
 
     tuning.override(KDADecodeConfig(split_v=args.kda_split_v if args.kda_split_v >= 0 else None,
                                     fused_max_rows=args.kda_fused_max_rows if args.kda_fused_max_rows >= 0 else None,
-                                    mgpu_min_rows=args.kda_mgpu_min_rows if args.kda_mgpu_min_rows >= 0 else None))
+                                    mgpu_min_rows=args.kda_mgpu_min_rows if args.kda_mgpu_min_rows >= 0 else None,
+                                    mgpu_one_launch=None if args.kda_mgpu_one_launch is None
+                                    else args.kda_mgpu_one_launch == "on"))
     if args.skinny_rows >= 0:
         common.SKINNY_MAX_ROWS = args.skinny_rows
     if args.unabsorbed_min_rows >= 0:

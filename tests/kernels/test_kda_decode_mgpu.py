@@ -205,3 +205,30 @@ def test_decode_dispatch_takes_it_from_its_row_threshold():
     want = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
     for name, a, b in zip(("y", "conv_state", "state"), ours, want):
         assert_close(a, b, FP32_TOL, name)
+
+
+def test_decode_dispatch_takes_one_launch_where_configured():
+    """``KDADecodeConfig.mgpu_one_launch`` with H = HV: no Triton inputs kernel in the step, the same results as
+    the reference; GVA keeps the three launches."""
+    from pallas_kernels.kda import KDADecodeConfig, fused_recurrent_kda
+
+    per_token = ("mixed_qkv", "g_raw", "beta_logits", "gate_logits")
+
+    def step_inputs(heads):
+        x = decode_inputs(6, heads=heads)
+        return {n: (a[:, 0] if n in per_token else a) for n, a in x.items() if n != "out_slots"}
+
+    def launches_inputs_kernel(x, config):
+        jaxpr = jax.make_jaxpr(functools.partial(fused_recurrent_kda, lower_bound=-5.0, impl="pallas",
+                                                 config=config))(**x)
+        return "kda_decode_update_inputs" in str(jaxpr)
+
+    one = KDADecodeConfig(mgpu_min_rows=6, mgpu_one_launch=True)
+    three = KDADecodeConfig(mgpu_min_rows=6, mgpu_one_launch=False)
+    x = step_inputs(2)
+    assert not launches_inputs_kernel(x, one) and launches_inputs_kernel(x, three)
+    assert launches_inputs_kernel(step_inputs(1), one)
+    ours = ready(fused_recurrent_kda(**x, lower_bound=-5.0, impl="pallas", config=one))
+    want = fused_recurrent_kda(**x, lower_bound=-5.0, impl="reference")
+    for name, a, b in zip(("y", "conv_state", "state"), ours, want):
+        assert_close(a, b, FP32_TOL, name)
