@@ -209,12 +209,12 @@ def _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out
     """Conv + SiLU, L2 norms, gate and beta of one (sequence, head), read from global memory into registers (while
     the state's TMA copy is in flight), and the next conv state written to ``out_slot`` (none when negative):
     writes q (scaled), k, exp(gate), v to ``vec_smem`` rows 0-3 -> (beta, beta (q . k))."""
-    width = w_ref.shape[0]
+    width = w_ref.shape[-1]
     rows, shifted = [], []
     for j in range(3):  # q, k, v
         window = [conv_ref[slot, t, j, head, :].astype(jnp.float32) for t in range(width - 1)]
         window.append(x_ref[seq, j, head, :].astype(jnp.float32))
-        conv = sum(w_ref[t, j, head, :].astype(jnp.float32) * window[t] for t in range(width))
+        conv = sum(w_ref[layer, j, head, :, t].astype(jnp.float32) * window[t] for t in range(width))
         rows.append(conv * _sigmoid(conv))
         shifted.append(window[1:])  # the next conv state: the W - 2 newest cached inputs, then the new one
 
@@ -335,15 +335,13 @@ def _one_launch_step(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_l
                      gate_logits, o_norm_weight, *, scale, lower_bound, eps, layer, bf16_sums, interpret):
     """:func:`fused_recurrent_kda_mgpu` in one Mosaic-GPU launch (H = HV; ``dest [N]``; per-layer operands as
     :func:`pallas_kernels.impl.layer_stacks` gives them). The channels are viewed as ``[3, H, K]`` (q / k / v,
-    head, lane); the conv taps are transposed to ``[W, C]`` first (a copy of ``C * W`` elements) so that a CTA
-    reads each tap of its head as one contiguous row."""
+    head, lane), free reshapes; a CTA reads each conv tap of its head as a strided row of the ``[C, W]`` taps."""
     num_seqs, _, channels = mixed_qkv.shape
     num_slots, heads = state.shape[:2]
     width = conv_weight.shape[-1]
     by_wgmma = state.dtype == jnp.bfloat16 and bf16_sums == "wgmma"
-    lanes = lambda x, *lead: x.reshape(*lead, 3, heads, DIM)
-    x = lanes(mixed_qkv, num_seqs)
-    taps = lanes(conv_weight[layer].T, width)
+    x = mixed_qkv.reshape(num_seqs, 3, heads, DIM)
+    taps = conv_weight.reshape(conv_weight.shape[0], 3, heads, DIM, width)
     per_head = lambda a, lead: a.reshape(lead, heads, DIM)
     operands = (fresh_int32_buffer(slots), fresh_int32_buffer(dest, -1), A_log, beta_logits.reshape(num_seqs, heads),
                 x, taps, per_head(g_raw, num_seqs), per_head(dt_bias, dt_bias.shape[0]),
