@@ -238,7 +238,8 @@ def _one_launch_kernel(slots_ref, out_slots_ref, a_log_ref, beta_ref, x_ref, w_r
                        gate_ref, norm_ref, conv_ref, state_ref, y_ref, s_smem, vec_smem, bar, *wgmma_smem, scale,
                        lower_bound, eps, layer):
     """The whole decode step of one (sequence, head) (H = HV) in one CTA: the state's TMA copy is in flight while
-    the conv, norms and gate read their operands from global memory; the gated RMSNorm of o follows the update.
+    the conv, norms and gate, and the output gate's scale, read their operands from global memory; the gated
+    RMSNorm of o follows the update.
     Only the state and the five vectors live in shared memory, so three CTAs share an SM at fp32 as in
     :func:`_one_pair_kernel`. Operands as :func:`_one_launch_step` lays them out."""
     pair = jax.lax.axis_index("pair")
@@ -250,6 +251,7 @@ def _one_launch_kernel(slots_ref, out_slots_ref, a_log_ref, beta_ref, x_ref, w_r
     beta, beta_qk = _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out_slot, a,
                             beta_ref[seq, head].astype(jnp.float32), vec_smem, scale=scale, lower_bound=lower_bound,
                             layer=layer)
+    out_scale = norm_ref[layer, :].astype(jnp.float32) * _sigmoid(gate_ref[seq, head, :].astype(jnp.float32))
     plgpu.commit_smem()
     plgpu.barrier_wait(bar.at[0])
     _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk)
@@ -259,9 +261,7 @@ def _one_launch_kernel(slots_ref, out_slots_ref, a_log_ref, beta_ref, x_ref, w_r
         plgpu.copy_smem_to_gmem(s_smem, state_ref.at[out_slot, head])
 
     o = vec_smem[4, :]
-    normed = o * jax.lax.rsqrt(jnp.sum(o * o) * (1.0 / DIM) + eps)
-    y_ref[seq, head, :] = (normed * norm_ref[layer, :].astype(jnp.float32)
-                           * _sigmoid(gate_ref[seq, head, :].astype(jnp.float32))).astype(y_ref.dtype)
+    y_ref[seq, head, :] = (o * jax.lax.rsqrt(jnp.sum(o * o) * (1.0 / DIM) + eps) * out_scale).astype(y_ref.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
