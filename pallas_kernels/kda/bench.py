@@ -365,15 +365,17 @@ class DecodeCase:
             y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, ctas=num_sms())
             row["mgpu_pipe_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             if row["state_dtype"] == "bfloat16":
-                y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, bf16_sums="reduce")
-                row["mgpu_reduce_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
+                for launch, one_launch in (("mgpu", True), ("mgpu3", False)):
+                    y, cs, st = decode_step_mgpu(*self.pools(), *self.rest, bf16_sums="reduce", one_launch=one_launch)
+                    row[f"{launch}_reduce_err_vs_ref"] = max(rel_err(y, y_r), rel_err(st, st_r), rel_err(cs, cs_r))
             print(f"check {self.name}: rel err y {row['err_vs_ref_y']:.1e} state {row['err_vs_ref_state']:.1e} "
                   f"conv {row['err_vs_ref_conv']:.1e}", flush=True)
 
     def time(self, impl, sliced: bool = True):
         """Wall (and for ours, profiler device) time of each variant: the tuned kernel, the Mosaic-GPU step in one
-        launch (``ours_mgpu``) and in three (``ours_mgpu3``, with the state update's own time), pipelined, with a
-        bf16 pool's column sums by reductions, and with ``sliced`` the V-slice and split-V kernels."""
+        launch (``ours_mgpu``) and in three (``ours_mgpu3``, with the state update's own time), pipelined, each
+        launch form with a bf16 pool's column sums by reductions (``_reduce``), and with ``sliced`` the V-slice
+        and split-V kernels."""
         step = functools.partial(decode_step, impl=impl)
         if impl != "pallas":
             variants = [("xla_ref_s", step)]
@@ -382,7 +384,9 @@ class DecodeCase:
                         ("ours_mgpu3_s", functools.partial(decode_step_mgpu, one_launch=False)),
                         ("ours_mgpu_pipe_s", functools.partial(decode_step_mgpu, ctas=num_sms()))]
             if self.row["state_dtype"] == "bfloat16":  # the column sums by reductions (twice the CTAs per SM)
-                variants.append(("ours_mgpu_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce")))
+                variants += [("ours_mgpu_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce")),
+                             ("ours_mgpu3_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce",
+                                                                       one_launch=False))]
         if impl == "pallas" and sliced:
             variants += [(f"ours_bv{bv}_s", functools.partial(step, block_v=bv)) for bv in DECODE_BLOCK_V]
             variants += [(f"ours_split{sv}_s", functools.partial(step, split_v=sv)) for sv in DECODE_SPLIT_V]
@@ -551,6 +555,38 @@ def print_table(ceilings, rows):
               + _errors(r))
 
 
+def suggest_decode_routing(rows) -> dict:
+    """``KDADecodeConfig``'s Mosaic-GPU fields from the decode rows' profiler times (``--suite decode-mgpu``): the
+    one-launch step where it beat the three launches in most cases, a bf16 pool's reductions where they beat its
+    ``wgmma`` in most, then per pool dtype the fewest (sequence, value head) rows from which the chosen form beat
+    the tuned Triton kernel in every timed case (0: in none, or not timed). Rows lacking a time do not vote."""
+    decode = [r for r in rows if r.get("kind") == "decode"]
+
+    def wins(rows_, fast, slow):
+        pairs = [(r[fast], r[slow]) for r in rows_ if fast in r and slow in r]
+        return bool(pairs) and 2 * sum(a < b for a, b in pairs) > len(pairs)
+
+    one_launch = wins(decode, "ours_mgpu_device_us", "ours_mgpu3_device_us")
+    launch = "mgpu" if one_launch else "mgpu3"
+    bf16 = [r for r in decode if r["state_dtype"] == "bfloat16"]
+    reduce = wins(bf16, f"ours_{launch}_reduce_device_us", f"ours_{launch}_device_us")
+
+    def threshold(dtype, form):
+        cases = sorted((r["B"] * r["H"], r[form] < r["ours_device_us"]) for r in decode
+                       if r["state_dtype"] == dtype and form in r and "ours_device_us" in r)
+        from_rows = 0
+        for i, (n, _) in enumerate(cases):
+            if all(win for _, win in cases[i:]):
+                from_rows = n
+                break
+        return from_rows
+
+    bf16_form = f"ours_{launch}_reduce_device_us" if reduce else f"ours_{launch}_device_us"
+    return dict(mgpu_min_rows=threshold("float32", f"ours_{launch}_device_us"),
+                mgpu_min_rows_bf16=threshold("bfloat16", bf16_form),
+                mgpu_one_launch=one_launch, mgpu_bf16_sums="reduce" if reduce else "wgmma")
+
+
 def suite_cases(suite, rng):
     """(prefill [(name, lengths, H, HV, lower_bound, with_reference)], decode [(B, H, state dtype, check)])."""
     if suite == "tiny":  # CPU smoke test of the script itself (interpret mode)
@@ -711,6 +747,10 @@ def main():
     report["phases"]["done_s"] = elapsed()
     save()
     print_table(report["ceilings"], report["rows"])
+    if args.suite == "decode-mgpu":
+        report["suggested_routing"] = suggest_decode_routing(report["rows"])
+        save()
+        print(f"suggested KDADecodeConfig for {report['device']}: {json.dumps(report['suggested_routing'])}")
     print("skipped:", report["skipped"], f"total {elapsed():.0f} s", flush=True)
     if not args.no_checks:
         report["check_failures"] = failures + row_failures(report)

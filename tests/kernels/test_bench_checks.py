@@ -45,3 +45,29 @@ def test_over_reads_nested_results():
     tol = lambda path: None if path.startswith("info") else 1e-2  # noqa: E731
     results = {"a": {"o": 5e-3, "lse": 2e-2}, "info": {"speed": 3.0}, "b": [True, False], "c": "error: boom"}
     assert bench_checks.over(results, tol) == ["a/lse: 2.000e-02 > 1.0e-02", "b[1]: False", "c: error: boom"]
+
+
+def test_kda_bench_suggests_decode_routing_from_its_timings():
+    """The Mosaic-GPU fields the decode-mgpu suite prints: one launch where it beat three in most cases, the bf16
+    reductions where they beat the wgmma in the chosen launch form, and per pool dtype the fewest rows from which
+    that form beat the tuned kernel in every case (a loss at a larger step moves the threshold past it)."""
+    def row(b, h, dtype, triton, one, three, reduce=None, reduce3=None):
+        r = dict(kind="decode", B=b, H=h, state_dtype=dtype, ours_device_us=triton, ours_mgpu_device_us=one,
+                 ours_mgpu3_device_us=three)
+        if reduce is not None:
+            r.update(ours_mgpu_reduce_device_us=reduce, ours_mgpu3_reduce_device_us=reduce3)
+        return r
+
+    rows = [row(16, 32, "float32", 20, 25, 30), row(64, 32, "float32", 100, 95, 110),  # 512, 2048 rows
+            row(16, 96, "float32", 80, 79, 85), row(256, 32, "float32", 400, 390, 405),  # 1536, 8192
+            row(64, 32, "bfloat16", 60, 70, 75, 58, 80), row(64, 96, "bfloat16", 190, 200, 210, 180, 215),
+            row(256, 32, "bfloat16", 250, 260, 270, 255, 280), row(256, 96, "bfloat16", 800, 780, 790, 700, 790),
+            dict(kind="prefill", name="H32 T8K")]
+    assert kda_bench.suggest_decode_routing(rows) == dict(
+        mgpu_min_rows=1536, mgpu_min_rows_bf16=24576, mgpu_one_launch=True, mgpu_bf16_sums="reduce")
+    three_wins = [row(16, 32, "float32", 20, 31, 30), row(64, 32, "float32", 100, 99, 98),
+                  row(16, 96, "float32", 80, 86, 85), row(256, 32, "float32", 400, 391, 390)]
+    assert kda_bench.suggest_decode_routing(three_wins) == dict(
+        mgpu_min_rows=2048, mgpu_min_rows_bf16=0, mgpu_one_launch=False, mgpu_bf16_sums="wgmma")
+    assert kda_bench.suggest_decode_routing([]) == dict(
+        mgpu_min_rows=0, mgpu_min_rows_bf16=0, mgpu_one_launch=False, mgpu_bf16_sums="wgmma")
