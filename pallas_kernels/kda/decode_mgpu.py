@@ -47,11 +47,14 @@ HALF = DIM // 2
 ROWS = 64  # wgmma's M: the A tile of the bf16 column sums
 
 
-def _column_sum(s_smem, vec_smem, vec: int):
+def _column_sum(s_smem, vec_smem, vec: int, wait_half=None):
     """``(x g)^T S`` for x = q (``vec`` 0) or k (1), fp32 ``[V]``: the two ``[K/2, V]`` halves' products added
-    before one cross-warp reduction (64 registers of state per thread at a time)."""
+    before one cross-warp reduction (64 registers of state per thread at a time); ``wait_half(h)`` before half h
+    is read, if given."""
     total = None
     for h in range(2):
+        if wait_half:
+            wait_half(h)
         rows = pl.ds(h * HALF, HALF)
         s = s_smem[rows, :].astype(jnp.float32)
         term = s * jax.lax.broadcast_in_dim(vec_smem[vec, rows] * vec_smem[2, rows], s.shape, [0])
@@ -59,8 +62,9 @@ def _column_sum(s_smem, vec_smem, vec: int):
     return total.sum(axis=0)
 
 
-def _rank_one_update(s_smem, vec_smem, beta, error) -> None:
-    """``S' = g S + beta k e^T`` in place, half of the key rows at a time."""
+def _rank_one_update(s_smem, vec_smem, beta, error, store_half=None) -> None:
+    """``S' = g S + beta k e^T`` in place, half of the key rows at a time; ``store_half(h)`` once half h is
+    written and visible to TMA, if given."""
     for h in range(2):
         rows = pl.ds(h * HALF, HALF)
         s = s_smem[rows, :].astype(jnp.float32)
@@ -68,16 +72,22 @@ def _rank_one_update(s_smem, vec_smem, beta, error) -> None:
                  + jax.lax.broadcast_in_dim(vec_smem[1, rows] * beta, s.shape, [0])
                  * jax.lax.broadcast_in_dim(error, s.shape, [1]))
         s_smem[rows, :] = s_new.astype(s_smem.dtype)
-    plgpu.commit_smem()
+        if store_half:
+            plgpu.commit_smem()
+            store_half(h)
+    if not store_half:
+        plgpu.commit_smem()
 
 
-def _update_in_smem(s_smem, vec_smem, beta, beta_qk) -> None:
+def _update_in_smem(s_smem, vec_smem, beta, beta_qk, wait_half=None, store_half=None) -> None:
     """The delta-rule step of one (sequence, value head) in shared memory: ``s_smem [K, V]`` (state dtype) holds S
     and receives S'; ``vec_smem [5, K]`` fp32 holds q, k, g, v and receives o in row 4; ``beta_qk = beta (q . k)``.
-    Two cross-warp column sums, ``(k g)^T S`` and ``(q g)^T S`` (module docstring), then the rank-one update."""
-    error = vec_smem[3, :] - _column_sum(s_smem, vec_smem, 1)
+    Two cross-warp column sums, ``(k g)^T S`` and ``(q g)^T S`` (module docstring), then the rank-one update.
+    ``wait_half`` / ``store_half``: per half of the key rows, its arrival waited for before the first sum reads
+    it, and its store started once updated (see :func:`_one_launch_kernel`)."""
+    error = vec_smem[3, :] - _column_sum(s_smem, vec_smem, 1, wait_half)
     vec_smem[4, :] = _column_sum(s_smem, vec_smem, 0) + beta_qk * error
-    _rank_one_update(s_smem, vec_smem, beta, error)
+    _rank_one_update(s_smem, vec_smem, beta, error, store_half)
 
 
 def _hi_lo(x):
@@ -86,9 +96,11 @@ def _hi_lo(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> None:
+def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk, wait_half=None,
+                         store_half=None) -> None:
     """:func:`_update_in_smem` for a bf16 ``s_smem``, its two column sums by one ``wgmma`` (module docstring):
-    ``a_smem [64, K]`` bf16 takes the A tile, ``sums_smem [64, V]`` fp32 the product; ``beta_qk = beta (q . k)``."""
+    ``a_smem [64, K]`` bf16 takes the A tile, ``sums_smem [64, V]`` fp32 the product; ``beta_qk = beta (q . k)``.
+    The ``wgmma`` reads all of K, so both halves are waited for before it."""
     q, k, g = (vec_smem[i, :] for i in range(3))
     row = jax.lax.broadcasted_iota(jnp.int32, (ROWS, DIM), 0)  # A: row r = part r, the other 60 rows zero
     a = jnp.zeros((ROWS, DIM), jnp.bfloat16)
@@ -96,6 +108,8 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
         a = jnp.where(row == r, jax.lax.broadcast_in_dim(part, (ROWS, DIM), [1]), a)
     a_smem[...] = a
     plgpu.commit_smem()
+    for h in range(2 if wait_half else 0):
+        wait_half(h)
 
     def product(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, s_smem)
@@ -107,18 +121,18 @@ def _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk) -> 
     plgpu.commit_smem()
     error = vec_smem[3, :] - (sums_smem[0, :] + sums_smem[1, :])
     vec_smem[4, :] = sums_smem[2, :] + sums_smem[3, :] + beta_qk * error
-    _rank_one_update(s_smem, vec_smem, beta, error)
+    _rank_one_update(s_smem, vec_smem, beta, error, store_half)
 
 
-def _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk) -> None:
+def _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk, wait_half=None, store_half=None) -> None:
     """The step of one pair in shared memory: by ``wgmma`` column sums when ``wgmma_smem`` (a bf16 pool's A tile
     and product, one buffer: the product is written once the ``wgmma`` has read the tile) is given, else by
-    reductions; ``beta_qk = beta (q . k)``."""
+    reductions; ``beta_qk = beta (q . k)``; ``wait_half`` / ``store_half`` as in :func:`_update_in_smem`."""
     if wgmma_smem:
         a_smem, sums_smem = wgmma_smem[0]
-        _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk)
+        _update_bf16_in_smem(s_smem, vec_smem, a_smem, sums_smem, beta, beta_qk, wait_half, store_half)
     else:
-        _update_in_smem(s_smem, vec_smem, beta, beta_qk)
+        _update_in_smem(s_smem, vec_smem, beta, beta_qk, wait_half, store_half)
 
 
 def _load_pair(refs, pair, s_smem, vec_smem, state_barrier, vec_barrier, num_value_heads):
@@ -237,29 +251,34 @@ def _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out
 def _one_launch_kernel(slots_ref, out_slots_ref, a_log_ref, beta_ref, x_ref, w_ref, g_raw_ref, dt_bias_ref,
                        gate_ref, norm_ref, conv_ref, state_ref, y_ref, s_smem, vec_smem, bar, *wgmma_smem, scale,
                        lower_bound, eps, layer):
-    """The whole decode step of one (sequence, head) (H = HV) in one CTA: the state's TMA copy is in flight while
-    the conv, norms and gate, and the output gate's scale, read their operands from global memory; the gated
-    RMSNorm of o follows the update.
+    """The whole decode step of one (sequence, head) (H = HV) in one CTA: the state's TMA copies (two halves of the
+    key rows) are in flight while the conv, norms and gate, and the output gate's scale, read their operands from
+    global memory; the first column sum starts on half 0, each half's store as soon as it is updated; the gated
+    RMSNorm of o follows.
     Only the state and the five vectors live in shared memory, so three CTAs share an SM at fp32 as in
     :func:`_one_pair_kernel`. Operands as :func:`_one_launch_step` lays them out."""
     pair = jax.lax.axis_index("pair")
     heads = x_ref.shape[2]
     seq, head = pair // heads, pair % heads
     slot, out_slot = slots_ref[seq], out_slots_ref[seq]
-    plgpu.copy_gmem_to_smem(state_ref.at[slot, head], s_smem, bar.at[0])
+    for h in range(2):  # each half of the key rows on its own barrier: the first sum starts on half 0
+        rows = pl.ds(h * HALF, HALF)
+        plgpu.copy_gmem_to_smem(state_ref.at[slot, head, rows], s_smem.at[rows], bar.at[h])
     a = jnp.exp(a_log_ref[layer, head].astype(jnp.float32))
     beta, beta_qk = _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out_slot, a,
                             beta_ref[seq, head].astype(jnp.float32), vec_smem, scale=scale, lower_bound=lower_bound,
                             layer=layer)
     out_scale = norm_ref[layer, :].astype(jnp.float32) * _sigmoid(gate_ref[seq, head, :].astype(jnp.float32))
     plgpu.commit_smem()
-    plgpu.barrier_wait(bar.at[0])
-    _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk)
 
-    @pl.when(out_slot >= 0)
-    def _():
-        plgpu.copy_smem_to_gmem(s_smem, state_ref.at[out_slot, head])
+    def store_half(h):  # half h's TMA store runs while the other half updates
+        rows = pl.ds(h * HALF, HALF)
 
+        @pl.when(out_slot >= 0)
+        def _():
+            plgpu.copy_smem_to_gmem(s_smem.at[rows], state_ref.at[out_slot, head, rows])
+
+    _update(s_smem, vec_smem, wgmma_smem, beta, beta_qk, lambda h: plgpu.barrier_wait(bar.at[h]), store_half)
     o = vec_smem[4, :]
     y_ref[seq, head, :] = (o * jax.lax.rsqrt(jnp.sum(o * o) * (1.0 / DIM) + eps) * out_scale).astype(y_ref.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -357,7 +376,7 @@ def _one_launch_step(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_l
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((DIM, DIM), state.dtype,
                                   transforms=wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)),
-                       plgpu.SMEM((5, DIM), jnp.float32), plgpu.Barrier(num_barriers=1),
+                       plgpu.SMEM((5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2),
                        *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))] if by_wgmma else [])],
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*operands, conv_pool, pool)
