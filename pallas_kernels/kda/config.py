@@ -67,8 +67,8 @@ class KDADecodeConfig:
       inputs kernel, the update, an XLA RMSNorm: 9-80 us and 4 us on top of the update on the H100). Tuned false
       until it has run on a GPU.
     * ``mgpu_bf16_sums``: a bf16 pool's two column sums in the Mosaic-GPU update, ``"wgmma"`` (timed above) or
-      ``"reduce"`` (the fp32 pool's cross-warp reductions: half the shared memory, six CTAs per SM against three;
-      not yet timed).
+      ``"reduce"`` (the fp32 pool's cross-warp reductions: half the shared memory, room for six CTAs per SM
+      against three, if registers allow; not yet timed).
     """
 
     fused_max_rows: int | None = None

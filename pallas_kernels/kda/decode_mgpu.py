@@ -302,8 +302,8 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
     beta ``[N, HV]`` -> (o ``[N, HV, V]`` fp32, state). ``ctas``: None, one CTA per (sequence, value head); else
     that many CTAs, each pipelining a run of pairs over two stages. ``bf16_sums``: how a bf16 pool forms its column
     sums, ``"wgmma"`` (one product; 68 KB of shared memory per CTA, three CTAs per SM) or ``"reduce"`` (the fp32
-    pool's cross-warp reductions; 35 KB, six CTAs per SM). ``interpret``: the Mosaic-GPU interpreter (default: when
-    no GPU is present)."""
+    pool's cross-warp reductions; 35 KB: room for six CTAs per SM, if registers allow). ``interpret``: the
+    Mosaic-GPU interpreter (default: when no GPU is present)."""
     q, k, beta = (x.astype(jnp.float32) for x in (q, k, beta))
     vecs = jnp.stack([q, k, g, v], axis=2).astype(jnp.float32)
     scalars = jnp.stack([beta, beta * jnp.sum(q * k, axis=-1)], axis=-1)
