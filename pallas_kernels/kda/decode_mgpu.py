@@ -21,10 +21,14 @@ products. A bf16 pool takes both from one ``wgmma``: a 64-row A tile whose rows 
 of ``k g`` and ``q g`` (zeros below) against the bf16 state as B, exact but for the fp32 accumulation (``wgmma`` would
 read an fp32 state as tf32). The state is then read once more for the rank-one update.
 
-Around it (:func:`fused_recurrent_kda_mgpu`): a Triton kernel does the conv-state shift (in place), causal conv +
-SiLU, L2 norms, gate and beta (:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`), and XLA the gated
-RMSNorm. Contract: one token per sequence, ``K = V = 128``; ``out_slots[n] < 0`` skips the write. ``jax.export`` for
-CUDA runs Mosaic-GPU's lowering on the CPU, so the GPU lowering is tested without a GPU.
+Around it (:func:`fused_recurrent_kda_mgpu`), two forms. In one launch (H = HV), the same CTA reads its conv taps,
+conv rows, inputs and gate operands from global memory into registers while the state's TMA copy is in flight,
+writes the next conv rows, and ends with the gated RMSNorm (:func:`_one_launch_kernel`); staging those operands in
+shared memory would leave room for two CTAs per SM, not three. In three launches (any GVA), a Triton kernel does the
+conv-state shift (in place), causal conv + SiLU, L2 norms, gate and beta
+(:func:`pallas_kernels.kda.recurrent.kda_update_inputs_pallas`), and XLA the gated RMSNorm. Contract: one token per
+sequence, ``K = V = 128``; ``out_slots[n] < 0`` skips the write. ``jax.export`` for CUDA runs Mosaic-GPU's lowering
+on the CPU, so the GPU lowering is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -254,9 +258,8 @@ def _one_launch_kernel(slots_ref, out_slots_ref, a_log_ref, beta_ref, x_ref, w_r
     """The whole decode step of one (sequence, head) (H = HV) in one CTA: the state's TMA copies (two halves of the
     key rows) are in flight while the conv, norms and gate, and the output gate's scale, read their operands from
     global memory; the first column sum starts on half 0, each half's store as soon as it is updated; the gated
-    RMSNorm of o follows.
-    Only the state and the five vectors live in shared memory, so three CTAs share an SM at fp32 as in
-    :func:`_one_pair_kernel`. Operands as :func:`_one_launch_step` lays them out."""
+    RMSNorm of o follows. Only the state and the five vectors live in shared memory, so three CTAs share an SM at
+    fp32 as in :func:`_one_pair_kernel`. Operands as :func:`_one_launch_step` lays them out."""
     pair = jax.lax.axis_index("pair")
     heads = x_ref.shape[2]
     seq, head = pair // heads, pair % heads
