@@ -139,9 +139,10 @@ def fused_recurrent_kda(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, 
     g_raw ``[N, HV*K]``, beta_logits ``[N, HV]``, gate_logits ``[N, HV*V]``, slots int32 ``[N]``.
     Pallas: from ``config.mgpu_min_rows`` rows (``mgpu_min_rows_bf16`` for a bf16 pool; :func:`decode_takes_mgpu`)
     the Mosaic-GPU state update (in one launch with ``config.mgpu_one_launch``); else up to
-    ``config.fused_max_rows`` (sequence, value head) rows one program per (sequence, head) does everything; past it (:func:`decode_split_v`) each state is spread over ``V / split_v``
-    programs of ``[K, split_v]`` slices (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and
-    conv-state write then run in its epilogue kernel).
+    ``config.fused_max_rows`` (sequence, value head) rows one program per (sequence, head) does everything; past it
+    (:func:`decode_split_v`) each state is spread over ``V / split_v`` programs of ``[K, split_v]`` slices
+    (``recurrent.fused_recurrent_kda_split_v_pallas``; the gated RMSNorm and conv-state write then run in its
+    epilogue kernel).
     ``layer``: as in :func:`fused_recurrent_kda_verify`.
 
     Returns:
