@@ -107,9 +107,17 @@ DECODE_CASES = {
     "gva_fp32_fused": (1, jnp.float32, jnp.float32, 16, 32, -5.0, "fused"),
     "kimi_linear_bf16_verify_3_tokens": (3, jnp.bfloat16, jnp.bfloat16, 32, 32, -5.0, "verify"),
     "k3_tp8_fp32_verify_8_tokens": (8, jnp.float32, jnp.float32, 12, 12, None, "verify"),
+    "k3_bf16_mgpu_one_launch": (1, jnp.bfloat16, jnp.float32, 96, 96, -5.0, "mgpu_one_launch"),
+    "kimi_linear_bf16_bf16_state_mgpu_one_launch": (1, jnp.bfloat16, jnp.bfloat16, 32, 32, None, "mgpu_one_launch"),
+    "kimi_linear_bf16_bf16_state_mgpu_reduce": (1, jnp.bfloat16, jnp.bfloat16, 32, 32, -5.0, "mgpu_reduce"),
+    "gva_fp32_mgpu_three_launches": (1, jnp.float32, jnp.float32, 16, 32, -5.0, "mgpu_three_launches"),
 }
+_MGPU = dict(mgpu_min_rows=1, mgpu_min_rows_bf16=1)
 KERNEL_CONFIGS = {"fused": KDADecodeConfig(split_v=0), "split_v": KDADecodeConfig(split_v=64, fused_max_rows=0),
-                  "sliced": KDADecodeConfig(split_v=0, block_v=32), "verify": KDADecodeConfig()}
+                  "sliced": KDADecodeConfig(split_v=0, block_v=32), "verify": KDADecodeConfig(),
+                  "mgpu_one_launch": KDADecodeConfig(**_MGPU, mgpu_one_launch=True),
+                  "mgpu_reduce": KDADecodeConfig(**_MGPU, mgpu_one_launch=True, mgpu_bf16_sums="reduce"),
+                  "mgpu_three_launches": KDADecodeConfig(**_MGPU, mgpu_one_launch=False)}
 
 
 def decode_errors(name: str, seed: int = 1) -> dict:
