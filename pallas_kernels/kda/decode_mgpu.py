@@ -232,7 +232,8 @@ def _inputs(x_ref, w_ref, conv_ref, g_raw_ref, dt_bias_ref, seq, head, slot, out
     for j in range(3):  # q, k, v
         window = [conv_ref[slot, t, j, head, :].astype(jnp.float32) for t in range(width - 1)]
         window.append(x_ref[seq, j, head, :].astype(jnp.float32))
-        conv = sum(w_ref[layer, j, head, :, t].astype(jnp.float32) * window[t] for t in range(width))
+        taps = [w_ref[layer, j, head, :, t].astype(jnp.float32) * window[t] for t in range(width)]
+        conv = functools.reduce(jnp.add, taps)
         rows.append(conv * _sigmoid(conv))
         shifted.append(window[1:])  # the next conv state: the W - 2 newest cached inputs, then the new one
 
