@@ -13,6 +13,10 @@ With ``--speculative-config`` (the server's JSON; ``dspark`` needs a drafter fol
 adds the acceptance of its timed steps (mean acceptance length, rate per draft position) and how many of them
 were verification steps. Speculation is off for batches of ``disable_by_batch_size`` or more, as when serving.
 
+With ``--peer`` the transformers + FLA peer (:mod:`serve.bench.peer`) runs first, in a process of its own on
+the same shape, batches and prompt length (its GPU memory is free again before ours is taken), and the table adds
+its tok/s and our ratio to it.
+
     PYTHONPATH=. python3 -m serve.bench.decode --preset kimi-linear-48b --layers 4 --impl reference
 """
 
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 import zlib
 
@@ -83,6 +89,24 @@ def _acceptance(before: tuple, after: tuple) -> dict:
     rows, accepted = after[0] - before[0], after[1] - before[1]
     per_pos = [(b - a) / rows if rows else 0.0 for a, b in zip(before[2], after[2])]
     return dict(mean_acceptance_length=1.0 + accepted / rows if rows else 1.0, acceptance_per_position=per_pos)
+
+
+def run_peer(args) -> dict:
+    """The peer's run (:mod:`serve.bench.peer`) on the bench's shape in a child process: ``{batch: tok/s}`` under
+    ``rows``, or the reason it gave none under ``error`` (a failed peer does not stop the bench)."""
+    out = os.path.join(args.out, "peer")
+    cmd = [sys.executable, "-m", "serve.bench.peer", "--preset", args.preset, "--layers", str(args.layers),
+           "--batches", *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--out", out]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"no result within {args.peer_timeout_s:.0f} s")
+    if done.returncode != 0:
+        return dict(error=f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}")
+    with open(os.path.join(out, "bench_peer.json")) as f:
+        report = json.load(f)
+    return dict(rows={r["batch"]: r["tokens_per_s"] for r in report["rows"]}, kernels=report.get("kernels"),
+                transformers=report.get("transformers"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,8 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat-span", type=int, default=0,
                         help="> 0: each prompt repeats a random span of this many tokens (n-gram lookup then finds "
                              "drafts); 0: random prompts")
+    parser.add_argument("--peer", action="store_true",
+                        help="first run the transformers + FLA peer on the same shape in its own process "
+                             "(serve.bench.peer; Kimi-Linear presets, bf16) and add its tok/s to the table")
+    parser.add_argument("--peer-timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
+    peer = None
+    if args.peer:  # before this process takes any GPU memory
+        peer = run_peer(args)
+        print(f"peer: {json.dumps(peer)}", flush=True)
 
     import jax
     import jax.numpy as jnp
@@ -306,17 +338,23 @@ def main(argv: list[str] | None = None) -> None:
             ttft.append(time_to_first_token(ttft_runner, cfg, args, rng, n))
             print(json.dumps(dict(ttft=ttft[-1])), flush=True)
 
-    print("\n| batch | decode tok/s | step ms | device ms | host serial ms | host overlapped ms | host overhead "
-          "| roofline ms | % of roofline | output crc32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    peer_rows = (peer or {}).get("rows", {})
     for r in rows:
+        if r["batch"] in peer_rows:
+            r["peer_tokens_per_s"] = peer_rows[r["batch"]]
+    print("\n| batch | decode tok/s | step ms | device ms | host serial ms | host overlapped ms | host overhead "
+          "| roofline ms | % of roofline | output crc32 | peer tok/s | x peer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        theirs = r.get("peer_tokens_per_s")
         print(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | "
               f"{r['host_serial_ms']:.2f} | {r['host_overlapped_ms']:.2f} | {r['host_overhead']:.1%} | "
-              f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} | {r['output_tokens_crc32']:08x} |")
+              f"{r['roofline_ms']:.3f} | {r['fraction_of_roofline']:.1%} | {r['output_tokens_crc32']:08x} | "
+              + (f"{theirs:.1f} | {r['tokens_per_s'] / theirs:.1f}x |" if theirs else "- | - |"))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
         json.dump(dict(args=vars(args), setup_s=setup, warm_up_s=runner.warm_up_seconds, rows=rows, ttft=ttft,
-                       step_temp_bytes={str(k): v for k, v in runner.step_temp_bytes.items()}), f,
+                       peer=peer, step_temp_bytes={str(k): v for k, v in runner.step_temp_bytes.items()}), f,
                   indent=1)
 
 
