@@ -383,7 +383,7 @@ class DecodeCase:
             variants = [("ours_s", step), ("ours_mgpu_s", decode_step_mgpu),
                         ("ours_mgpu3_s", functools.partial(decode_step_mgpu, one_launch=False)),
                         ("ours_mgpu_pipe_s", functools.partial(decode_step_mgpu, ctas=num_sms()))]
-            if self.row["state_dtype"] == "bfloat16":  # the column sums by reductions (twice the CTAs per SM)
+            if self.row["state_dtype"] == "bfloat16":  # the column sums by reductions (more CTAs per SM)
                 variants += [("ours_mgpu_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce")),
                              ("ours_mgpu3_reduce_s", functools.partial(decode_step_mgpu, bf16_sums="reduce",
                                                                        one_launch=False))]
@@ -574,12 +574,10 @@ def suggest_decode_routing(rows) -> dict:
     def threshold(dtype, form):
         cases = sorted((r["B"] * r["H"], r[form] < r["ours_device_us"]) for r in decode
                        if r["state_dtype"] == dtype and form in r and "ours_device_us" in r)
-        from_rows = 0
         for i, (n, _) in enumerate(cases):
             if all(win for _, win in cases[i:]):
-                from_rows = n
-                break
-        return from_rows
+                return n
+        return 0
 
     bf16_form = f"ours_{launch}_reduce_device_us" if reduce else f"ours_{launch}_device_us"
     return dict(mgpu_min_rows=threshold("float32", f"ours_{launch}_device_us"),
