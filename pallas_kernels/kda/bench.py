@@ -193,6 +193,10 @@ def prefill_args(x):
     return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"], x["A_log"], x["dt_bias"])
 
 
+SCAN_BV64_MIN_HEADS = 64
+"""Prefill cases with at least this many value heads also time the scan at ``block_v`` 64."""
+
+
 class PrefillCase:
     def __init__(self, name, lengths, heads, value_heads, lower_bound, with_reference, key):
         self.lengths = [int(n) for n in lengths]
@@ -221,14 +225,23 @@ class PrefillCase:
             self.row["err_vs_ref_o"], self.row["err_vs_ref_state"] = rel_err(o, o_ref), rel_err(state, state_ref)
 
     def time_ours(self):
-        """Wall time (and on the GPU the per-launch device time) of our kernel, and for the softplus gate also of
-        its diagonal launch in the dyadic form on every block (``ours_dyadic_*``, with its error against the
-        default's output; the default takes the midpoint form per block where the span allows)."""
+        """Wall time (and on the GPU the per-launch device time) of our kernel and its variants, each with its
+        error against the default's output: for the softplus gate its diagonal launch in the dyadic form on every
+        block (``ours_dyadic_*``; the default takes the midpoint form per block where the span allows); from
+        :data:`SCAN_BV64_MIN_HEADS` heads the scan over 64 V columns per program (``ours_scan_bv64_*``: half the
+        re-reads of w, qg, kg, which every V block of a head loads, while the tuned 32, chosen at H32, keeps
+        enough programs to fill the GPU at fewer heads)."""
         variants = {"ours": lambda *a: prefill_call(*a, impl="pallas", lower_bound=self.lower_bound)}
-        if self.lower_bound is None:
-            variants["ours_dyadic"] = jax.jit(lambda q, k, v, g, beta, cu, A_log, dt_bias: chunk_kda_pallas(
+
+        def with_config(config):
+            return jax.jit(lambda q, k, v, g, beta, cu, A_log, dt_bias: chunk_kda_pallas(
                 q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias,
-                config=ChunkKDAConfig(adaptive_diagonal=False))[:2])
+                lower_bound=self.lower_bound, config=config)[:2])
+
+        if self.lower_bound is None:
+            variants["ours_dyadic"] = with_config(ChunkKDAConfig(adaptive_diagonal=False))
+        if self.value_heads >= SCAN_BV64_MIN_HEADS:
+            variants["ours_scan_bv64"] = with_config(ChunkKDAConfig(block_v=64))
         args = prefill_args(self.x)
         for label, fn in variants.items():
             if label != "ours" and self.out is not None:
