@@ -229,7 +229,7 @@ class PrefillCase:
         error against the default's output: for the softplus gate its diagonal launch in the dyadic form on every
         block (``ours_dyadic_*``; the default takes the midpoint form per block where the span allows); from
         :data:`SCAN_BV64_MIN_HEADS` heads the scan over 64 V columns per program (``ours_scan_bv64_*``: half the
-        re-reads of w, qg, kg, which every V block of a head loads, while the tuned 32, chosen at H32, keeps
+        re-reads of w, qg, kg and A_qk, which every V block of a head loads, while the tuned 32, chosen at H32, keeps
         enough programs to fill the GPU at fewer heads)."""
         variants = {"ours": lambda *a: prefill_call(*a, impl="pallas", lower_bound=self.lower_bound)}
 
