@@ -314,6 +314,29 @@ def kda_state_update_mgpu(state: jax.Array, slots: jax.Array, out_slots: jax.Arr
     return _state_update(state, slots, out_slots, vecs, scalars, ctas=ctas, bf16_sums=bf16_sums, interpret=interpret)
 
 
+def _kernel(body, out_type, grid, grid_name: str, state_dtype, bf16_sums: str, stages: int, interpret):
+    """``plgpu.kernel`` of one of the update's forms: its shared memory per stage (the ``[K, V]`` state, five fp32
+    vectors, two barriers) and with a bf16 pool's ``wgmma`` column sums the A tile and product in one buffer,
+    checked against the device; ``interpret`` None: the Mosaic-GPU interpreter when no GPU is present."""
+    if state_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"state dtype must be float32 or bfloat16, got {state_dtype}")
+    if bf16_sums not in ("wgmma", "reduce"):
+        raise ValueError(f"bf16_sums must be 'wgmma' or 'reduce', got {bf16_sums!r}")
+    by_wgmma = state_dtype == jnp.bfloat16 and bf16_sums == "wgmma"
+    tuning.check_smem("kda_decode_mgpu", smem_bytes(state_dtype, stages, by_wgmma), f"{stages} stage(s)")
+    lead = (stages,) if stages > 1 else ()
+    a_tile = plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM))
+    interpret = not on_gpu() if interpret is None else interpret
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=(grid_name,),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state_dtype,
+                                  transforms=wgmma_operand_transforms(DIM, 8 * jnp.dtype(state_dtype).itemsize)),
+                       plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages),
+                       *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))] if by_wgmma else [])],
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+
+
 @functools.partial(jax.jit, static_argnames=("ctas", "bf16_sums", "interpret"))
 def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, bf16_sums, interpret):
     """:func:`kda_state_update_mgpu` from ``vecs [N, HV, 4, K]`` (q, k, g, v: one TMA copy per CTA) and
@@ -322,34 +345,18 @@ def _state_update(state, slots, out_slots, vecs, scalars, *, ctas, bf16_sums, in
     num_seqs = slots.shape[0]
     if head_dim != DIM or value_dim != DIM:
         raise ValueError(f"kda_state_update_mgpu needs K = V = {DIM}, got K={head_dim}, V={value_dim}")
-    if state.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"state dtype must be float32 or bfloat16, got {state.dtype}")
-    if bf16_sums not in ("wgmma", "reduce"):
-        raise ValueError(f"bf16_sums must be 'wgmma' or 'reduce', got {bf16_sums!r}")
-    by_wgmma = state.dtype == jnp.bfloat16 and bf16_sums == "wgmma"
-    interpret = not on_gpu() if interpret is None else interpret
-    transforms = wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)
     pairs = num_seqs * num_value_heads
     if ctas is None:
         body = functools.partial(_one_pair_kernel, num_value_heads=num_value_heads)
-        grid, names, stages, lead = (pairs,), ("pair",), 1, ()
+        grid, name, stages = (pairs,), "pair", 1
     else:
         per_cta = -(-pairs // ctas)
         body = functools.partial(_pipelined_kernel, num_value_heads=num_value_heads, per_cta=per_cta)
-        grid, names, stages, lead = (-(-pairs // per_cta),), ("cta",), 2, (2,)
-    tuning.check_smem("kda_state_update_mgpu", smem_bytes(state.dtype, stages, by_wgmma), f"{stages} stage(s)")
-    a_tile = plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM))
+        grid, name, stages = (-(-pairs // per_cta),), "cta", 2
     pool = jax.new_ref(state)  # written in place: the kernel's state output aliases the pool
-    o = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((num_seqs, num_value_heads, DIM), jnp.float32),
-        grid=grid, grid_names=names,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((*lead, DIM, DIM), state.dtype, transforms=transforms),
-                       plgpu.SMEM((*lead, 5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2 * stages),
-                       *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))]
-                         if by_wgmma else [])],
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(fresh_int32_buffer(slots), fresh_int32_buffer(out_slots, -1), scalars, vecs, pool)  # -1: no write
+    o = _kernel(body, jax.ShapeDtypeStruct((num_seqs, num_value_heads, DIM), jnp.float32), grid, name, state.dtype,
+                bf16_sums, stages, interpret,
+                )(fresh_int32_buffer(slots), fresh_int32_buffer(out_slots, -1), scalars, vecs, pool)  # -1: no write
     return o, jax.freeze(pool)
 
 
@@ -362,28 +369,17 @@ def _one_launch_step(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_l
     num_seqs, _, channels = mixed_qkv.shape
     num_slots, heads = state.shape[:2]
     width = conv_weight.shape[-1]
-    by_wgmma = state.dtype == jnp.bfloat16 and bf16_sums == "wgmma"
     x = mixed_qkv.reshape(num_seqs, 3, heads, DIM)
     taps = conv_weight.reshape(conv_weight.shape[0], 3, heads, DIM, width)
     per_head = lambda a, lead: a.reshape(lead, heads, DIM)
     operands = (fresh_int32_buffer(slots), fresh_int32_buffer(dest, -1), A_log, beta_logits.reshape(num_seqs, heads),
                 x, taps, per_head(g_raw, num_seqs), per_head(dt_bias, dt_bias.shape[0]),
                 per_head(gate_logits, num_seqs), o_norm_weight)
-    tuning.check_smem("kda_decode_mgpu", smem_bytes(state.dtype, 1, by_wgmma), "one launch")
-    a_tile = plgpu.SMEM((ROWS, DIM), jnp.bfloat16, transforms=wgmma_operand_transforms(DIM))
     conv_pool = jax.new_ref(conv_state.reshape(num_slots, width - 1, 3, heads, DIM))
     pool = jax.new_ref(state)
-    y = plgpu.kernel(
-        functools.partial(_one_launch_kernel, scale=scale, lower_bound=lower_bound, eps=eps, layer=layer),
-        out_type=jax.ShapeDtypeStruct((num_seqs, heads, DIM), mixed_qkv.dtype),
-        grid=(num_seqs * heads,), grid_names=("pair",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((DIM, DIM), state.dtype,
-                                  transforms=wgmma_operand_transforms(DIM, 8 * jnp.dtype(state.dtype).itemsize)),
-                       plgpu.SMEM((5, DIM), jnp.float32), plgpu.Barrier(num_barriers=2),
-                       *([plgpu.RefUnion(a_tile, plgpu.SMEM((ROWS, DIM), jnp.float32))] if by_wgmma else [])],
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*operands, conv_pool, pool)
+    body = functools.partial(_one_launch_kernel, scale=scale, lower_bound=lower_bound, eps=eps, layer=layer)
+    y = _kernel(body, jax.ShapeDtypeStruct((num_seqs, heads, DIM), mixed_qkv.dtype), (num_seqs * heads,), "pair",
+                state.dtype, bf16_sums, 1, interpret)(*operands, conv_pool, pool)
     return y.reshape(num_seqs, 1, channels // 3), jax.freeze(conv_pool).reshape(conv_state.shape), jax.freeze(pool)
 
 
@@ -404,13 +400,10 @@ def fused_recurrent_kda_mgpu(mixed_qkv, conv_weight, conv_state, g_raw, beta_log
     num_seqs = mixed_qkv.shape[0]
     if state.shape[-2:] != (DIM, DIM):
         raise ValueError(f"fused_recurrent_kda_mgpu needs K = V = {DIM}, got {state.shape[-2:]}")
-    if bf16_sums not in ("wgmma", "reduce"):
-        raise ValueError(f"bf16_sums must be 'wgmma' or 'reduce', got {bf16_sums!r}")
     dest = out_slots[:, 0]
     if one_launch and ctas is None and mixed_qkv.shape[2] == 3 * state.shape[1] * DIM:
         (A_log, dt_bias, o_norm_weight, conv_weight), row = layer_stacks(layer, A_log, dt_bias, o_norm_weight,
                                                                          conv_weight)
-        interpret = not on_gpu() if interpret is None else interpret
         return _one_launch_step(mixed_qkv, conv_weight, conv_state, g_raw, beta_logits, A_log, dt_bias, state, slots,
                                 dest, gate_logits, o_norm_weight, scale=DIM**-0.5 if scale is None else float(scale),
                                 lower_bound=lower_bound, eps=float(eps), layer=row, bf16_sums=bf16_sums,
